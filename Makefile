@@ -1,0 +1,38 @@
+# The two commands: `make demo` and `make test`. Each sets up everything it needs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+NATIVE_SRC := $(wildcard csrc/*.cc csrc/*.h) CMakeLists.txt pyproject.toml
+
+# Pinned tool and build versions (runtime ranges live in pyproject.toml).
+PINS := scikit-build-core==1.1.2 nanobind==2.9.2 numpy==2.4.6 tokenizers==0.23.3 \
+        rich==15.0.0 pytest==9.2.0 hypothesis==6.170.15 ruff==0.17.5 mypy==2.4.1
+
+.PHONY: demo test lint typecheck install clean bench
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip==25.3
+
+$(STAMP): $(BIN)/python $(NATIVE_SRC)
+	$(BIN)/pip install --quiet $(PINS) cmake ninja
+	$(BIN)/pip install --quiet --no-build-isolation -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/war demo
+
+test: install
+	$(BIN)/python -m pytest -q
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
+
+bench: install
+	$(BIN)/python benchmarks/spec/bench_replay.py --mode path --json bench-spec-path.json
+	$(BIN)/python benchmarks/spec/bench_replay.py --mode tree --json bench-spec-tree.json
+
+clean:
+	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache
