@@ -1,0 +1,198 @@
+// Drafting: path and tree drafts from a match, best over match lengths, and the
+// batched choice among sources. Semantics: docs/suffix-speculation.md.
+#include "speculate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <queue>
+
+namespace war {
+
+int32_t SuffixTree::limit_for(int32_t k, const SpecParams& p) const {
+  const double x = std::floor(static_cast<double>(k) * p.factor + p.offset);
+  if (!(x > 0.0)) return 0;
+  if (x >= static_cast<double>(p.max_tokens)) return p.max_tokens;
+  return static_cast<int32_t>(x);
+}
+
+void SuffixTree::draft_path(Position at, int32_t limit, const SpecParams& p,
+                            DraftResult* out) const {
+  Node* cur = at.node;
+  int32_t off = at.offset;
+  double p_cum = 1.0;
+  int32_t parent = -1;
+  while (static_cast<int32_t>(out->tokens.size()) < limit) {
+    int32_t token;
+    double prob;
+    if (off < cur->length) {
+      token = label(cur)[off];
+      prob = static_cast<double>(cur->count) / (static_cast<double>(cur->count) + p.alpha);
+      ++off;
+    } else {
+      if (cur->children.empty()) break;
+      Node* c = cur->children[0];
+      token = c->token;
+      prob = static_cast<double>(c->count) / (static_cast<double>(cur->count) + p.alpha);
+      cur = c;
+      off = 1;
+    }
+    p_cum = p_cum * prob;
+    if (p_cum < p.min_prob) break;
+    out->tokens.push_back(token);
+    out->parents.push_back(parent);
+    out->probs.push_back(p_cum);
+    out->score += p_cum;
+    parent = static_cast<int32_t>(out->tokens.size()) - 1;
+  }
+}
+
+namespace {
+// A candidate token: emitting it moves to (node, off); off == 1 means it is the
+// first token of `node`'s label, chosen from its parent's child list.
+struct Candidate {
+  double p_cum;
+  uint64_t order;    // push order: ties go to the earlier push
+  Node* node;
+  int32_t off;
+  int32_t parent;    // draft index of the token it follows (-1 = the context)
+  double p_cum_up;   // cumulative probability where the choice was made
+};
+struct Worse {
+  bool operator()(const Candidate& a, const Candidate& b) const {
+    if (a.p_cum != b.p_cum) return a.p_cum < b.p_cum;
+    return a.order > b.order;
+  }
+};
+}  // namespace
+
+void SuffixTree::draft_tree(Position at, int32_t limit, const SpecParams& p,
+                            DraftResult* out) const {
+  std::priority_queue<Candidate, std::vector<Candidate>, Worse> heap;
+  uint64_t order = 0;
+  auto push_first = [&](Node* cur, int32_t off, double p_here, int32_t parent) {
+    if (off < cur->length) {
+      const double prob =
+          static_cast<double>(cur->count) / (static_cast<double>(cur->count) + p.alpha);
+      const double pc = p_here * prob;
+      if (pc >= p.min_prob) heap.push({pc, order++, cur, off + 1, parent, p_here});
+    } else if (!cur->children.empty()) {
+      Node* c = cur->children[0];
+      const double prob =
+          static_cast<double>(c->count) / (static_cast<double>(cur->count) + p.alpha);
+      const double pc = p_here * prob;
+      if (pc >= p.min_prob) heap.push({pc, order++, c, 1, parent, p_here});
+    }
+  };
+  push_first(at.node, at.offset, 1.0, -1);
+  while (!heap.empty() && static_cast<int32_t>(out->tokens.size()) < limit) {
+    const Candidate x = heap.top();
+    heap.pop();
+    const int32_t idx = static_cast<int32_t>(out->tokens.size());
+    out->tokens.push_back(x.off == 1 ? x.node->token : label(x.node)[x.off - 1]);
+    out->parents.push_back(x.parent);
+    out->probs.push_back(x.p_cum);
+    out->score += x.p_cum;
+    if (x.off == 1) {
+      const Node* u = x.node->parent;
+      if (x.node->pos + 1 < u->children.size()) {
+        Node* s = u->children[x.node->pos + 1];
+        const double prob =
+            static_cast<double>(s->count) / (static_cast<double>(u->count) + p.alpha);
+        const double pc = x.p_cum_up * prob;
+        if (pc >= p.min_prob) heap.push({pc, order++, s, 1, x.parent, x.p_cum_up});
+      }
+    }
+    push_first(x.node, x.off, x.p_cum, idx);
+  }
+}
+
+void SuffixTree::draft_from(Position at, int32_t limit, const SpecParams& p,
+                            DraftResult* out) const {
+  if (p.tree) draft_tree(at, limit, p, out); else draft_path(at, limit, p, out);
+}
+
+DraftResult SuffixTree::speculate(const int32_t* ctx, size_t n, const SpecParams& p) const {
+  DraftResult best;
+  const int32_t max_k = match_len(ctx, n);
+  for (int32_t k = max_k; k >= 1; --k) {
+    const int32_t limit = limit_for(k, p);
+    if (static_cast<double>(limit) <= best.score) break;
+    Position at;
+    walk(ctx + n - k, static_cast<size_t>(k), &at);
+    DraftResult d;
+    draft_from(at, limit, p, &d);
+    if (d.score > best.score) {
+      best = std::move(d);
+      best.match_len = k;
+    }
+  }
+  return best;
+}
+
+DraftResult SuffixTree::speculate_self(int64_t seq_id, const SpecParams& p) const {
+  auto it = ids_.find(seq_id);
+  if (it == ids_.end())
+    throw std::invalid_argument("unknown sequence id " + std::to_string(seq_id));
+  const Slot& s = slots_[it->second];
+  if (s.active.empty()) {
+    return speculate(s.tokens.data(), s.tokens.size(), p);
+  }
+  DraftResult best;
+  // The suffix of depth max_depth has no children, so it never drafts.
+  const int32_t max_k =
+      std::min(static_cast<int32_t>(s.tokens.size()), max_depth_ - 1);
+  for (int32_t k = max_k; k >= 1; --k) {
+    const int32_t limit = limit_for(k, p);
+    if (static_cast<double>(limit) <= best.score) break;
+    Node* node = s.active[k];
+    if (node->children.empty()) continue;  // nothing ever followed this suffix
+    DraftResult d;
+    draft_from(Position{node, node->length}, limit, p, &d);
+    if (d.score > best.score) {
+      best = std::move(d);
+      best.match_len = k;
+    }
+  }
+  return best;
+}
+
+void propose_batch(const std::vector<BatchItem>& items, const SuffixTree* global,
+                   const SpecParams& params, double group_weight, BatchResult* out) {
+  out->offsets.assign(1, 0);
+  for (const BatchItem& item : items) {
+    SpecParams p = params;
+    p.max_tokens = std::min(params.max_tokens, item.budget);
+    DraftResult best;
+    Source source = Source::kNone;
+    double best_weighted = 0.0;
+    if (p.max_tokens > 0) {
+      const std::vector<int32_t>& seq = item.local->sequence(item.seq_id);
+      const size_t ctx_len =
+          std::min(seq.size(), static_cast<size_t>(item.local->max_depth()));
+      const int32_t* ctx = seq.data() + (seq.size() - ctx_len);
+      auto consider = [&](DraftResult&& d, double weight, Source src) {
+        const double w = d.score * weight;
+        if (w > best_weighted) {
+          best_weighted = w;
+          best = std::move(d);
+          source = src;
+        }
+      };
+      if (group_weight > 0.0 && item.group->num_seqs() > 0)
+        consider(item.group->speculate(ctx, ctx_len, p), group_weight, Source::kGroup);
+      consider(item.local->speculate_self(item.seq_id, p), 1.0, Source::kLocal);
+      if (global != nullptr && global->num_seqs() > 0)
+        consider(global->speculate(ctx, ctx_len, p), 1.0, Source::kGlobal);
+    }
+    if (source == Source::kNone) best = DraftResult();
+    out->tokens.insert(out->tokens.end(), best.tokens.begin(), best.tokens.end());
+    out->parents.insert(out->parents.end(), best.parents.begin(), best.parents.end());
+    out->probs.insert(out->probs.end(), best.probs.begin(), best.probs.end());
+    out->offsets.push_back(static_cast<int64_t>(out->tokens.size()));
+    out->scores.push_back(best.score);
+    out->sources.push_back(static_cast<int8_t>(source));
+    out->match_lens.push_back(best.match_len);
+  }
+}
+
+}  // namespace war

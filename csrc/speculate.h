@@ -1,0 +1,36 @@
+// Batched drafting across sources (a trajectory's own tree, its group's history,
+// everyone's history). Knows: how to pick the best draft among trees.
+// Does not know: where the trees come from or when they change (war/spec).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "suffix_tree.h"
+
+namespace war {
+
+enum class Source : int8_t { kNone = 0, kGroup = 1, kLocal = 2, kGlobal = 3 };
+
+struct BatchItem {
+  const SuffixTree* local = nullptr;  // holds the trajectory as sequence `seq_id`
+  int64_t seq_id = 0;
+  const SuffixTree* group = nullptr;  // may be empty, never null
+  int32_t budget = 0;                 // most draft tokens for this sequence now
+};
+
+struct BatchResult {
+  std::vector<int32_t> tokens;    // all drafts, concatenated
+  std::vector<int32_t> parents;   // per token, index within its own draft (-1 = root)
+  std::vector<double> probs;      // per token, cumulative probability
+  std::vector<int64_t> offsets;   // draft i is [offsets[i], offsets[i+1])
+  std::vector<double> scores;     // per draft, unweighted score
+  std::vector<int8_t> sources;    // per draft, a Source
+  std::vector<int32_t> match_lens;
+};
+
+// One call per engine step; touches no Python state (callers release the GIL).
+void propose_batch(const std::vector<BatchItem>& items, const SuffixTree* global,
+                   const SpecParams& params, double group_weight, BatchResult* out);
+
+}  // namespace war

@@ -1,0 +1,519 @@
+// Suffix trie maintenance: append, remove, compression, counts and checks.
+// Drafting lives in speculate.cc. See suffix_tree.h for the design.
+#include "suffix_tree.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+namespace war {
+
+namespace {
+constexpr size_t kIndexThreshold = 8;  // children beyond which a node keeps a hash index
+constexpr uint32_t kNoSlot = std::numeric_limits<uint32_t>::max();
+
+[[noreturn]] void fail(const std::string& what) {
+  throw std::runtime_error("suffix tree integrity: " + what);
+}
+}  // namespace
+
+SuffixTree::SuffixTree(int32_t max_depth) : max_depth_(max_depth) {
+  if (max_depth < 1) throw std::invalid_argument("max_depth must be >= 1");
+  root_ = new Node();
+  root_->ref_slot = kNoSlot;
+}
+
+SuffixTree::~SuffixTree() {
+  std::vector<Node*> stack{root_};
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (Node* c : n->children) stack.push_back(c);
+    delete n;
+  }
+}
+
+// ---------------------------------------------------------------- node helpers
+
+Node* SuffixTree::new_node() {
+  Node* n = new Node();
+  n->ref_slot = kNoSlot;
+  ++num_nodes_;
+  return n;
+}
+
+void SuffixTree::free_node(Node* n) {
+  if (n->ref_slot != kNoSlot) release_slot_ref(n->ref_slot);
+  delete n;
+  --num_nodes_;
+}
+
+void SuffixTree::set_ref(Node* n, uint32_t slot, int32_t end) {
+  if (n->ref_slot != slot) {
+    if (n->ref_slot != kNoSlot) release_slot_ref(n->ref_slot);
+    ++slots_[slot].refs;
+    n->ref_slot = slot;
+  }
+  n->ref_end = end;
+}
+
+void SuffixTree::release_slot_ref(uint32_t slot) {
+  Slot& s = slots_[slot];
+  --s.refs;
+  if (s.refs == 0 && !s.alive && slot != removing_slot_) {
+    std::vector<int32_t>().swap(s.tokens);
+    s.id = -1;
+    free_slots_.push_back(slot);
+  }
+}
+
+Node* SuffixTree::find_child(const Node* n, int32_t token) const {
+  if (n->index) {
+    auto it = n->index->find(token);
+    return it == n->index->end() ? nullptr : it->second;
+  }
+  for (Node* c : n->children)
+    if (c->token == token) return c;
+  return nullptr;
+}
+
+void SuffixTree::add_child(Node* parent, Node* child) {
+  child->parent = parent;
+  child->pos = static_cast<uint32_t>(parent->children.size());
+  parent->children.push_back(child);
+  if (parent->index) {
+    parent->index->emplace(child->token, child);
+  } else if (parent->children.size() > kIndexThreshold) {
+    parent->index = std::make_unique<std::unordered_map<int32_t, Node*>>();
+    for (Node* c : parent->children) parent->index->emplace(c->token, c);
+  }
+}
+
+void SuffixTree::remove_last_child(Node* parent) {
+  Node* c = parent->children.back();
+  parent->children.pop_back();
+  if (parent->index) parent->index->erase(c->token);
+}
+
+// `new_child` takes `old_child`'s place; both have the same first token.
+void SuffixTree::replace_child(Node* parent, Node* old_child, Node* new_child) {
+  new_child->parent = parent;
+  new_child->pos = old_child->pos;
+  parent->children[old_child->pos] = new_child;
+  if (parent->index) (*parent->index)[new_child->token] = new_child;
+}
+
+// Count k -> k+1: swap with the first sibling of count k (docs: child order).
+void SuffixTree::increment(Node* c) {
+  auto& sib = c->parent->children;
+  const int32_t k = c->count;
+  size_t lo = 0, hi = c->pos;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (sib[mid]->count > k) lo = mid + 1; else hi = mid;
+  }
+  if (lo != c->pos) {
+    Node* other = sib[lo];
+    std::swap(sib[lo], sib[c->pos]);
+    other->pos = c->pos;
+    c->pos = static_cast<uint32_t>(lo);
+  }
+  ++c->count;
+}
+
+// Count k -> k-1: swap with the last sibling of count k; drop the child at 0.
+void SuffixTree::decrement(Node* c) {
+  Node* parent = c->parent;
+  auto& sib = parent->children;
+  const int32_t k = c->count;
+  size_t lo = c->pos, hi = sib.size() - 1;
+  while (lo < hi) {
+    size_t mid = (lo + hi + 1) / 2;
+    if (sib[mid]->count >= k) lo = mid; else hi = mid - 1;
+  }
+  if (lo != c->pos) {
+    Node* other = sib[lo];
+    std::swap(sib[lo], sib[c->pos]);
+    other->pos = c->pos;
+    c->pos = static_cast<uint32_t>(lo);
+  }
+  --c->count;
+  if (c->count == 0) remove_last_child(parent);
+}
+
+// The parent of `c` has `c` as its only child and the same count: `c` takes over
+// its label and its place. `c` survives, so pointers to it stay valid.
+void SuffixTree::absorb_parent(Node* c) {
+  Node* a = c->parent;
+  c->length += a->length;
+  c->token = a->token;
+  replace_child(a->parent, a, c);
+  a->children.clear();
+  free_node(a);
+}
+
+// ---------------------------------------------------------------- append
+
+uint32_t SuffixTree::slot_for_append(int64_t seq_id) {
+  auto it = ids_.find(seq_id);
+  if (it != ids_.end()) {
+    if (slots_[it->second].active.empty())
+      throw std::invalid_argument("sequence " + std::to_string(seq_id) + " is sealed");
+    return it->second;
+  }
+  uint32_t slot;
+  if (!free_slots_.empty()) {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+  } else {
+    slot = static_cast<uint32_t>(slots_.size());
+    slots_.emplace_back();
+  }
+  Slot& s = slots_[slot];
+  s.id = seq_id;
+  s.alive = true;
+  s.refs = 0;
+  s.tokens.clear();
+  s.active.assign(static_cast<size_t>(max_depth_), nullptr);
+  s.active[0] = root_;
+  ids_.emplace(seq_id, slot);
+  return slot;
+}
+
+// Moves the suffix that ends at `a` (at trie depth `depth`) one token deeper and
+// returns the node where it now ends. `pos` is the token's index in its sequence.
+Node* SuffixTree::extend(uint32_t slot, Node* a, int32_t /*depth*/, int32_t token,
+                         int32_t pos) {
+  if (a != root_ && a->children.empty() && a->count == 1) {
+    // This suffix is the leaf's only occupant, so the leaf's path is this
+    // suffix: grow the label in place (re-pointing it at this sequence, as the
+    // reference may still name a removed one).
+    a->length += 1;
+    set_ref(a, slot, pos + 1);
+    return a;
+  }
+  Node* c = find_child(a, token);
+  if (c == nullptr) {
+    c = new_node();
+    c->token = token;
+    c->count = 1;
+    c->length = 1;
+    set_ref(c, slot, pos + 1);
+    add_child(a, c);
+    return c;
+  }
+  if (c->length > 1) {
+    // The suffix enters `c` by one token only: split off that token.
+    Node* top = new_node();
+    top->token = token;
+    top->count = c->count;
+    top->length = 1;
+    set_ref(top, c->ref_slot, c->ref_end - c->length + 1);
+    replace_child(a, c, top);
+    c->length -= 1;
+    c->token = label(c)[0];
+    c->parent = top;
+    c->pos = 0;
+    top->children.push_back(c);
+    c = top;
+  }
+  increment(c);
+  set_ref(c, slot, pos + 1);
+  if (a != root_ && a->children.size() == 1 && a->count == c->count) absorb_parent(c);
+  return c;
+}
+
+void SuffixTree::append_token(uint32_t slot, int32_t token) {
+  Slot& s = slots_[slot];
+  const int32_t n = static_cast<int32_t>(s.tokens.size());
+  s.tokens.push_back(token);
+  const int32_t dmax = std::min(n, max_depth_ - 1);
+  for (int32_t d = dmax; d >= 0; --d) {
+    Node* c = extend(slot, slots_[slot].active[d], d, token, n);
+    if (d + 1 < max_depth_) slots_[slot].active[d + 1] = c;
+  }
+  ++num_tokens_;
+}
+
+void SuffixTree::append(int64_t seq_id, const int32_t* tokens, size_t n) {
+  if (static_cast<int64_t>(n) > std::numeric_limits<int32_t>::max() / 2)
+    throw std::invalid_argument("too many tokens in one append");
+  const uint32_t slot = slot_for_append(seq_id);
+  if (slots_[slot].tokens.size() + n > static_cast<size_t>(std::numeric_limits<int32_t>::max() / 2))
+    throw std::invalid_argument("sequence too long");
+  slots_[slot].tokens.reserve(slots_[slot].tokens.size() + n);
+  for (size_t i = 0; i < n; ++i) append_token(slot, tokens[i]);
+}
+
+void SuffixTree::append_from(int64_t seq_id, const SuffixTree& other, int64_t other_id,
+                             int64_t start, int64_t end) {
+  const std::vector<int32_t>& src = other.sequence(other_id);
+  if (start < 0 || end < start || end > static_cast<int64_t>(src.size()))
+    throw std::invalid_argument("append_from: range out of bounds");
+  if (&other == this) {
+    std::vector<int32_t> copy(src.begin() + start, src.begin() + end);
+    append(seq_id, copy.data(), copy.size());
+  } else {
+    append(seq_id, src.data() + start, static_cast<size_t>(end - start));
+  }
+}
+
+void SuffixTree::seal(int64_t seq_id) {
+  auto it = ids_.find(seq_id);
+  if (it == ids_.end())
+    throw std::invalid_argument("unknown sequence id " + std::to_string(seq_id));
+  std::vector<Node*>().swap(slots_[it->second].active);
+}
+
+// ---------------------------------------------------------------- remove
+
+void SuffixTree::remove(int64_t seq_id) {
+  auto it = ids_.find(seq_id);
+  if (it == ids_.end())
+    throw std::invalid_argument("unknown sequence id " + std::to_string(seq_id));
+  const uint32_t slot = it->second;
+  ids_.erase(it);
+  Slot& s = slots_[slot];
+  s.alive = false;
+  std::vector<Node*>().swap(s.active);
+  removing_slot_ = slot;
+  const std::vector<int32_t>& toks = s.tokens;  // kept until the end of this call
+  const int32_t n = static_cast<int32_t>(toks.size());
+  num_tokens_ -= n;
+  std::vector<Node*> path;
+  for (int32_t i = 0; i < n; ++i) {
+    const int32_t len = std::min(max_depth_, n - i);
+    path.clear();
+    Node* node = root_;
+    int32_t depth = 0;
+    while (depth < len) {
+      Node* c = find_child(node, toks[i + depth]);
+      if (c == nullptr) fail("remove: suffix path missing");
+      depth += c->length;
+      path.push_back(c);
+      node = c;
+    }
+    if (depth != len) fail("remove: suffix ends inside a node");
+    for (Node* c : path) decrement(c);
+    for (size_t j = path.size(); j-- > 0;) {
+      Node* c = path[j];
+      if (c->count == 0) {
+        if (!c->children.empty()) fail("remove: dead node has children");
+        free_node(c);
+        continue;
+      }
+      if (!slots_[c->ref_slot].alive) {
+        // Re-point at a live occurrence of the same path, found through a child.
+        for (Node* ch : c->children) {
+          if (slots_[ch->ref_slot].alive) {
+            set_ref(c, ch->ref_slot, ch->ref_end - ch->length);
+            break;
+          }
+        }
+      }
+      if (c->children.size() == 1 && c->children[0]->count == c->count)
+        absorb_parent(c->children[0]);
+    }
+  }
+  removing_slot_ = kNoSlot;
+  if (s.refs == 0) {
+    std::vector<int32_t>().swap(s.tokens);
+    s.id = -1;
+    free_slots_.push_back(slot);
+  }
+}
+
+// ---------------------------------------------------------------- queries
+
+int64_t SuffixTree::seq_len(int64_t seq_id) const {
+  return static_cast<int64_t>(sequence(seq_id).size());
+}
+
+const std::vector<int32_t>& SuffixTree::sequence(int64_t seq_id) const {
+  auto it = ids_.find(seq_id);
+  if (it == ids_.end())
+    throw std::invalid_argument("unknown sequence id " + std::to_string(seq_id));
+  return slots_[it->second].tokens;
+}
+
+bool SuffixTree::walk(const int32_t* path, size_t n, Position* out) const {
+  Node* node = root_;
+  int32_t off = 0;
+  size_t i = 0;
+  while (i < n) {
+    Node* c = find_child(node, path[i]);
+    if (c == nullptr) return false;
+    const int32_t* lab = label(c);
+    int32_t j = 0;
+    while (j < c->length && i < n) {
+      if (lab[j] != path[i]) return false;
+      ++i;
+      ++j;
+    }
+    node = c;
+    off = j;
+  }
+  out->node = node;
+  out->offset = off;
+  return true;
+}
+
+int32_t SuffixTree::count(const int32_t* path, size_t n) const {
+  Position p;
+  if (n == 0 || !walk(path, n, &p)) return 0;
+  return p.node->count;
+}
+
+std::vector<std::pair<int32_t, int32_t>> SuffixTree::children(const int32_t* path,
+                                                              size_t n) const {
+  std::vector<std::pair<int32_t, int32_t>> out;
+  Position p;
+  if (!walk(path, n, &p)) return out;
+  if (p.offset < p.node->length) {
+    out.emplace_back(label(p.node)[p.offset], p.node->count);
+  } else {
+    for (const Node* c : p.node->children) out.emplace_back(c->token, c->count);
+  }
+  return out;
+}
+
+int32_t SuffixTree::match_len(const int32_t* ctx, size_t n) const {
+  // Existence is monotone in the match length: binary search it.
+  int32_t lo = 0;
+  int32_t hi = static_cast<int32_t>(std::min<size_t>(n, static_cast<size_t>(max_depth_)));
+  Position p;
+  while (lo < hi) {
+    const int32_t mid = (lo + hi + 1) / 2;
+    if (walk(ctx + n - mid, static_cast<size_t>(mid), &p)) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+size_t SuffixTree::memory_bytes() const {
+  size_t bytes = sizeof(*this);
+  std::vector<const Node*> stack{root_};
+  while (!stack.empty()) {
+    const Node* n = stack.back();
+    stack.pop_back();
+    bytes += sizeof(Node) + n->children.capacity() * sizeof(Node*);
+    if (n->index)
+      bytes += sizeof(*n->index) + n->index->bucket_count() * sizeof(void*) +
+               n->index->size() * (sizeof(std::pair<const int32_t, Node*>) + 2 * sizeof(void*));
+    for (const Node* c : n->children) stack.push_back(c);
+  }
+  bytes += slots_.capacity() * sizeof(Slot) + free_slots_.capacity() * sizeof(uint32_t);
+  for (const Slot& s : slots_)
+    bytes += s.tokens.capacity() * sizeof(int32_t) + s.active.capacity() * sizeof(Node*);
+  bytes += ids_.bucket_count() * sizeof(void*) +
+           ids_.size() * (sizeof(std::pair<const int64_t, uint32_t>) + 2 * sizeof(void*));
+  return bytes;
+}
+
+// ---------------------------------------------------------------- integrity
+
+void SuffixTree::check_node(const Node* n, std::vector<int32_t>* path, size_t* num_nodes,
+                            std::vector<int64_t>* slot_refs) const {
+  ++*num_nodes;
+  const int32_t depth = static_cast<int32_t>(path->size());
+  if (depth > max_depth_) fail("node deeper than max_depth");
+  if (n != root_) {
+    if (n->count < 1) fail("node with count < 1");
+    if (n->length < 1) fail("node with empty label");
+    if (n->ref_slot >= slots_.size()) fail("bad ref slot");
+    const Slot& s = slots_[n->ref_slot];
+    ++(*slot_refs)[n->ref_slot];
+    if (n->ref_end > static_cast<int32_t>(s.tokens.size()) || n->ref_end - depth < 0)
+      fail("ref out of range");
+    if (!std::equal(path->begin(), path->end(), s.tokens.begin() + (n->ref_end - depth)))
+      fail("ref does not hold the node's path");
+    if (label(n)[0] != n->token) fail("token is not the label's first token");
+  }
+  int64_t child_sum = 0;
+  for (size_t i = 0; i < n->children.size(); ++i) {
+    const Node* c = n->children[i];
+    if (c->parent != n) fail("bad parent pointer");
+    if (c->pos != i) fail("bad child position");
+    if (i > 0 && n->children[i - 1]->count < c->count) fail("children not sorted by count");
+    for (size_t j = 0; j < i; ++j)
+      if (n->children[j]->token == c->token) fail("duplicate child token");
+    if (find_child(n, c->token) != c) fail("child index out of date");
+    child_sum += c->count;
+  }
+  if (n->index && n->index->size() != n->children.size()) fail("child index size");
+  if (n != root_) {
+    if (child_sum > n->count) fail("children count more than their parent");
+    if (n->children.size() == 1 && n->children[0]->count == n->count)
+      fail("uncompressed chain (parent and only child with equal count)");
+  }
+  for (const Node* c : n->children) {
+    const int32_t* lab = label(c);
+    path->insert(path->end(), lab, lab + c->length);
+    check_node(c, path, num_nodes, slot_refs);
+    path->resize(static_cast<size_t>(depth));
+  }
+}
+
+void SuffixTree::check_integrity() const {
+  size_t nodes = 0;
+  std::vector<int64_t> slot_refs(slots_.size(), 0);
+  std::vector<int32_t> path;
+  check_node(root_, &path, &nodes, &slot_refs);
+  if (nodes != num_nodes_ + 1) fail("node count out of date");
+  int64_t live_tokens = 0;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const Slot& s = slots_[i];
+    if (slot_refs[i] != s.refs) fail("slot reference count out of date");
+    if (s.alive) {
+      auto it = ids_.find(s.id);
+      if (it == ids_.end() || it->second != i) fail("live slot missing from the id map");
+      live_tokens += static_cast<int64_t>(s.tokens.size());
+    } else if (s.refs == 0 && !s.tokens.empty()) {
+      fail("dead, unreferenced slot still holds tokens");
+    }
+  }
+  if (live_tokens != num_tokens_) fail("token count out of date");
+  // Recount every node from the live sequences, by brute force.
+  std::unordered_map<const Node*, int64_t> counted;
+  for (const auto& [id, slot] : ids_) {
+    const Slot& s = slots_[slot];
+    const int32_t n = static_cast<int32_t>(s.tokens.size());
+    for (int32_t i = 0; i < n; ++i) {
+      const int32_t len = std::min(max_depth_, n - i);
+      const Node* node = root_;
+      int32_t depth = 0;
+      while (depth < len) {
+        const Node* c = find_child(node, s.tokens[i + depth]);
+        if (c == nullptr) fail("a suffix of sequence " + std::to_string(id) + " is missing");
+        for (int32_t j = 0; j < c->length && depth + j < len; ++j)
+          if (label(c)[j] != s.tokens[i + depth + j]) fail("a suffix's tokens differ");
+        if (depth + c->length > len) fail("a suffix ends inside a node");
+        depth += c->length;
+        ++counted[c];
+        node = c;
+      }
+    }
+    if (!s.active.empty()) {
+      for (int32_t d = 1; d <= std::min(n, max_depth_ - 1); ++d) {
+        Position p;
+        if (!walk(s.tokens.data() + n - d, static_cast<size_t>(d), &p) ||
+            p.node != s.active[d] || p.offset != p.node->length)
+          fail("active suffix pointer out of date");
+      }
+    }
+  }
+  std::vector<const Node*> stack{root_};
+  while (!stack.empty()) {
+    const Node* n = stack.back();
+    stack.pop_back();
+    if (n != root_) {
+      auto it = counted.find(n);
+      const int64_t want = it == counted.end() ? 0 : it->second;
+      if (want != n->count)
+        fail("count " + std::to_string(n->count) + " != recount " + std::to_string(want));
+    }
+    for (const Node* c : n->children) stack.push_back(c);
+  }
+}
+
+}  // namespace war

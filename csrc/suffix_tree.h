@@ -1,0 +1,160 @@
+// Path-compressed, depth-limited suffix trie with occurrence counts.
+//
+// Knows: sequences of int32 token ids, the counts of all their substrings up to
+// `max_depth` tokens, and how to draft continuations of a context from those
+// counts. Does not know: models, groups, RL steps, Python (see bindings.cc and
+// war/spec/tree.py, the only Python module that imports this code).
+//
+// The semantics are those of an uncompressed trie over every suffix of every
+// sequence, cut at depth D (docs/suffix-speculation.md). This implementation
+// stores the same information path-compressed:
+//
+//  * A node stands for a chain of uncompressed trie nodes that all have the same
+//    count and (but for the last) exactly one child. Its label (the chain's
+//    tokens) is not stored: it is read from a sequence that contains the node's
+//    whole root-to-node path, `ref`.
+//  * A suffix that is still growing (its sequence may be appended to and it is
+//    shorter than D) always ends at a node end. Appending a token moves each such
+//    suffix one token deeper: into an existing child (split if that child's
+//    label is longer than one token), into a new child, or, when the suffix is
+//    the only occupant of a leaf, by growing that leaf's label in place.
+//  * After every change a parent with a single child of equal count is merged
+//    into that child, so chains stay compressed.
+//
+// Sequences live in slots. A slot's tokens are kept while any node references
+// them, even after the sequence was removed (a "zombie"); removal re-points
+// references to live sequences where it can, so zombies are rare in practice
+// and are included in memory accounting.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace war {
+
+struct Node {
+  int32_t token = -1;      // first token of the label (the key in the parent's list)
+  int32_t count = 0;       // occurrence count shared by every token of the label
+  int32_t length = 0;      // label length in tokens (0 only for the root)
+  int32_t ref_end = 0;     // label = slots[ref_slot].tokens[ref_end - length, ref_end)
+  uint32_t ref_slot = 0;   // slot holding an occurrence of this node's whole path
+  uint32_t pos = 0;        // index of this node in parent->children
+  Node* parent = nullptr;  // nullptr only for the root
+  std::vector<Node*> children;  // sorted by count, descending (tie rules: docs)
+  std::unique_ptr<std::unordered_map<int32_t, Node*>> index;  // token -> child, for wide nodes
+};
+
+// A place in the trie: `offset` label tokens of `node` have been matched
+// (offset == node->length means the node's end).
+struct Position {
+  Node* node = nullptr;
+  int32_t offset = 0;
+};
+
+struct DraftResult {
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> parents;  // -1 = attached to the context
+  std::vector<double> probs;     // cumulative probability of each token
+  double score = 0.0;            // sum of probs: expected accepted tokens
+  int32_t match_len = 0;
+};
+
+struct SpecParams {
+  int32_t max_tokens = 16;
+  double factor = 1.0;
+  double offset = 0.0;
+  double min_prob = 0.1;
+  double alpha = 0.0;
+  bool tree = false;
+};
+
+class SuffixTree {
+ public:
+  explicit SuffixTree(int32_t max_depth);
+  ~SuffixTree();
+  SuffixTree(const SuffixTree&) = delete;
+  SuffixTree& operator=(const SuffixTree&) = delete;
+
+  int32_t max_depth() const { return max_depth_; }
+
+  // Appends tokens to sequence `seq_id`, creating it if new.
+  void append(int64_t seq_id, const int32_t* tokens, size_t n);
+  // Appends tokens [start, end) of another tree's sequence (no Python copy).
+  void append_from(int64_t seq_id, const SuffixTree& other, int64_t other_id, int64_t start,
+                   int64_t end);
+  // Frees the per-sequence bookkeeping needed to append more tokens (for
+  // sequences that are complete, such as history entries).
+  void seal(int64_t seq_id);
+  // Removes a sequence and all its counts. Throws std::invalid_argument if unknown.
+  void remove(int64_t seq_id);
+
+  bool contains(int64_t seq_id) const { return ids_.count(seq_id) != 0; }
+  int64_t seq_len(int64_t seq_id) const;
+  const std::vector<int32_t>& sequence(int64_t seq_id) const;
+  size_t num_seqs() const { return ids_.size(); }
+  size_t num_nodes() const { return num_nodes_; }
+  int64_t num_tokens() const { return num_tokens_; }  // tokens of live sequences
+  size_t memory_bytes() const;
+
+  int32_t count(const int32_t* path, size_t n) const;
+  std::vector<std::pair<int32_t, int32_t>> children(const int32_t* path, size_t n) const;
+  int32_t match_len(const int32_t* ctx, size_t n) const;
+
+  // Best draft over all match lengths of the context's suffix (docs, section 3).
+  DraftResult speculate(const int32_t* ctx, size_t n, const SpecParams& p) const;
+  // The same, for the context that is sequence `seq_id` itself, using its growing
+  // suffixes instead of walking from the root.
+  DraftResult speculate_self(int64_t seq_id, const SpecParams& p) const;
+
+  // Throws std::logic_error describing the first broken invariant.
+  void check_integrity() const;
+
+ private:
+  struct Slot {
+    int64_t id = -1;
+    std::vector<int32_t> tokens;
+    std::vector<Node*> active;  // active[d] = node where the suffix of depth d ends, d >= 1
+    int64_t refs = 0;           // nodes whose ref_slot is this slot
+    bool alive = false;
+  };
+
+  const int32_t* label(const Node* n) const {
+    return slots_[n->ref_slot].tokens.data() + (n->ref_end - n->length);
+  }
+  Node* new_node();
+  void free_node(Node* n);
+  void set_ref(Node* n, uint32_t slot, int32_t end);
+  void release_slot_ref(uint32_t slot);
+  Node* find_child(const Node* n, int32_t token) const;
+  void add_child(Node* parent, Node* child);
+  void remove_last_child(Node* parent);
+  void replace_child(Node* parent, Node* old_child, Node* new_child);
+  void increment(Node* child);
+  void decrement(Node* child);
+  void absorb_parent(Node* c);
+  Node* extend(uint32_t slot, Node* a, int32_t depth, int32_t token, int32_t pos);
+  void append_token(uint32_t slot, int32_t token);
+  uint32_t slot_for_append(int64_t seq_id);
+  bool walk(const int32_t* path, size_t n, Position* out) const;
+  void draft_from(Position start, int32_t limit, const SpecParams& p, DraftResult* out) const;
+  void draft_path(Position start, int32_t limit, const SpecParams& p, DraftResult* out) const;
+  void draft_tree(Position start, int32_t limit, const SpecParams& p, DraftResult* out) const;
+  int32_t limit_for(int32_t k, const SpecParams& p) const;
+  void check_node(const Node* n, std::vector<int32_t>* path, size_t* num_nodes,
+                  std::vector<int64_t>* slot_refs) const;
+
+  int32_t max_depth_;
+  Node* root_;
+  std::vector<Slot> slots_;
+  std::vector<uint32_t> free_slots_;
+  std::unordered_map<int64_t, uint32_t> ids_;
+  uint32_t removing_slot_ = UINT32_MAX;  // slot being removed: its tokens stay until the end
+  size_t num_nodes_ = 0;
+  int64_t num_tokens_ = 0;
+};
+
+}  // namespace war

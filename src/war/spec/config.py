@@ -1,0 +1,89 @@
+"""Configuration of the suffix speculator.
+
+Knows: the knobs of drafting and of the history's memory bounds, and which
+values are valid. Does not know how they are used (see ``speculator.py`` and
+docs/suffix-speculation.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Suffix speculation settings; validated on construction.
+
+    * ``max_depth``: longest substring the trees count (and longest match).
+    * ``max_spec_tokens``: most draft tokens per sequence and step; a caller's
+      budget can only lower it.
+    * ``factor``, ``offset``: a match of ``k`` tokens may draft at most
+      ``floor(factor * k + offset)`` tokens (adaptive length).
+    * ``min_prob``: a draft token whose estimated probability falls below this
+      is not proposed.
+    * ``tree``: propose token trees (best-first by probability) instead of chains.
+    * ``alpha``: smoothing of the probability estimate ``count(child) /
+      (count(node) + alpha)``; a larger value distrusts rarely-seen contexts.
+    * ``group_weight``: multiplier on the score of drafts from the trajectory's
+      own group's history; ``> 1`` prefers the group, ``0`` ignores groups.
+    * ``use_global``: also draft from the history of all groups.
+    * ``lead_in``: context tokens stored before each history response so that
+      matches can start at a response's first token.
+    * ``history_window_steps``: keep history from this many most recent RL steps
+      (``None``: unbounded).
+    * ``history_token_budget``: most tokens the history holds; the oldest entries
+      are evicted first (``None``: unbounded).
+    """
+
+    max_depth: int = 64
+    max_spec_tokens: int = 16
+    factor: float = 1.0
+    offset: float = 0.0
+    min_prob: float = 0.1
+    tree: bool = False
+    alpha: float = 0.0
+    group_weight: float = 1.0
+    use_global: bool = True
+    lead_in: int = 8
+    history_window_steps: int | None = None
+    history_token_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("max_depth", self.max_depth, 1)
+        _check_int("max_spec_tokens", self.max_spec_tokens, 0)
+        _check_int("lead_in", self.lead_in, 0)
+        _check_float("factor", self.factor, 0.0)
+        _check_float("offset", self.offset, None)
+        _check_float("min_prob", self.min_prob, 0.0, 1.0)
+        _check_float("alpha", self.alpha, 0.0)
+        _check_float("group_weight", self.group_weight, 0.0)
+        if not isinstance(self.tree, bool):
+            raise ValueError(f"tree must be a bool, got {self.tree!r}")
+        if not isinstance(self.use_global, bool):
+            raise ValueError(f"use_global must be a bool, got {self.use_global!r}")
+        if self.history_window_steps is not None:
+            _check_int("history_window_steps", self.history_window_steps, 1)
+        if self.history_token_budget is not None:
+            _check_int("history_token_budget", self.history_token_budget, 0)
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if value > 2**31 - 1:
+        raise ValueError(f"{name} must fit in int32, got {value}")
+
+
+def _check_float(name: str, value: object, low: float | None, high: float | None = None) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if low is not None and v < low:
+        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+    if high is not None and v > high:
+        raise ValueError(f"{name} must be <= {high}, got {value!r}")

@@ -1,0 +1,272 @@
+"""The fence around the native core: the only module that imports ``war.spec._C``.
+
+Knows: how to validate and convert Python inputs (token ids, sequence ids,
+drafting parameters) for the native suffix trees, and how to turn native results
+into Python values. Does not know what the trees hold (trajectories, history,
+groups: see ``speculator.py``); the algorithm itself is specified in
+docs/suffix-speculation.md and implemented in ``csrc/``.
+
+Every check happens before the native call, so a bad argument raises
+``ValueError`` and leaves the tree unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from war.spec import _C
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+TokenArray = npt.NDArray[np.int32]
+TokensLike = Sequence[int] | npt.NDArray[Any]
+
+
+class SpecResult(NamedTuple):
+    """A draft from one tree: token ids, parents (-1 = root), cumulative probs."""
+
+    token_ids: npt.NDArray[np.int32]
+    parents: npt.NDArray[np.int32]
+    probs: npt.NDArray[np.float64]
+    score: float
+    match_len: int
+
+
+class BatchDrafts(NamedTuple):
+    """Drafts for a batch, concatenated: draft ``i`` is ``offsets[i]:offsets[i+1]``."""
+
+    token_ids: npt.NDArray[np.int32]
+    parents: npt.NDArray[np.int32]
+    probs: npt.NDArray[np.float64]
+    offsets: npt.NDArray[np.int64]
+    scores: npt.NDArray[np.float64]
+    sources: npt.NDArray[np.int8]
+    match_lens: npt.NDArray[np.int32]
+
+
+SOURCE_NAMES = ("none", "group", "local", "global")
+
+
+def as_tokens(tokens: TokensLike, what: str = "token ids") -> TokenArray:
+    """Validates token ids (integers in [0, 2**31 - 1]) and returns them as int32."""
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    elif isinstance(tokens, (str, bytes)):
+        raise ValueError(f"{what} must be a sequence of ints, got {type(tokens).__name__}")
+    else:
+        try:
+            seq = list(tokens)
+        except TypeError:
+            raise ValueError(
+                f"{what} must be a sequence of ints, got {type(tokens).__name__}"
+            ) from None
+        if not seq:
+            return np.empty(0, dtype=np.int32)
+        for t in seq:
+            if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)):
+                raise ValueError(f"{what} must be ints, got {t!r} ({type(t).__name__})")
+        if any(int(t) < 0 or int(t) > INT32_MAX for t in seq):
+            bad = next(int(t) for t in seq if int(t) < 0 or int(t) > INT32_MAX)
+            raise ValueError(f"{what}: token id {bad} is out of range [0, {INT32_MAX}]")
+        return np.asarray(seq, dtype=np.int32)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what} must have an integer dtype, got {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > INT32_MAX):
+        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+        raise ValueError(f"{what}: token id {bad} is out of range [0, {INT32_MAX}]")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def as_id(seq_id: object, what: str = "sequence id") -> int:
+    """Validates an integer id that fits in int64."""
+    if not isinstance(seq_id, (int, np.integer)) or isinstance(seq_id, (bool, np.bool_)):
+        raise ValueError(f"{what} must be an int, got {seq_id!r}")
+    value = int(seq_id)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{what} {value} does not fit in int64")
+    return value
+
+
+class DraftParams(NamedTuple):
+    """Validated drafting parameters (docs/suffix-speculation.md, sections 2-3)."""
+
+    max_tokens: int
+    factor: float
+    offset: float
+    min_prob: float
+    tree: bool
+    alpha: float
+
+
+def draft_params(
+    max_tokens: int, factor: float, offset: float, min_prob: float, tree: bool, alpha: float
+) -> DraftParams:
+    """Checks drafting parameters, naming the first bad one."""
+    if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool):
+        raise ValueError(f"max_tokens must be an int, got {max_tokens!r}")
+    if not 0 <= int(max_tokens) <= INT32_MAX:
+        raise ValueError(f"max_tokens must be in [0, {INT32_MAX}], got {max_tokens}")
+    for name, value, low in (("factor", factor, 0.0), ("offset", offset, None),
+                             ("min_prob", min_prob, 0.0), ("alpha", alpha, 0.0)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        if not math.isfinite(float(value)) or (low is not None and float(value) < low):
+            raise ValueError(f"{name} must be finite and >= {low}, got {value!r}")
+    if float(min_prob) > 1.0:
+        raise ValueError(f"min_prob must be <= 1, got {min_prob!r}")
+    if not isinstance(tree, bool):
+        raise ValueError(f"tree must be a bool, got {tree!r}")
+    return DraftParams(int(max_tokens), float(factor), float(offset), float(min_prob), tree,
+                       float(alpha))
+
+
+class SuffixTree:
+    """A depth-limited suffix trie with counts over sequences of token ids (native).
+
+    Mutating calls: ``append``, ``append_from``, ``seal``, ``remove``. Everything
+    else only reads. Not thread-safe: callers serialise access.
+    """
+
+    def __init__(self, max_depth: int) -> None:
+        if not isinstance(max_depth, int) or isinstance(max_depth, bool) or not (
+            1 <= max_depth <= 4096
+        ):
+            raise ValueError(f"max_depth must be an int in [1, 4096], got {max_depth!r}")
+        self._t = _C.SuffixTree(max_depth)
+
+    @property
+    def native(self) -> Any:
+        """The native tree, for batched calls in this package."""
+        return self._t
+
+    @property
+    def max_depth(self) -> int:
+        return int(self._t.max_depth)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self._t.num_seqs)
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of the path-compressed trie (not of the conceptual one)."""
+        return int(self._t.num_nodes)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the sequences held."""
+        return int(self._t.num_tokens)
+
+    def _known(self, seq_id: object) -> int:
+        sid = as_id(seq_id)
+        if not self._t.contains(sid):
+            raise ValueError(f"unknown sequence id {sid}")
+        return sid
+
+    def append(self, seq_id: int, tokens: TokensLike) -> None:
+        """Appends tokens to a sequence, creating it if new. Mutates."""
+        sid = as_id(seq_id)
+        arr = as_tokens(tokens)
+        if self._t.contains(sid) and self._t.seq_len(sid) + arr.size > INT32_MAX // 2:
+            raise ValueError(f"sequence {sid} would exceed {INT32_MAX // 2} tokens")
+        try:
+            self._t.append(sid, arr)
+        except ValueError as e:  # sealed sequence
+            raise ValueError(str(e)) from None
+
+    def append_from(
+        self, seq_id: int, other: SuffixTree, other_id: int, start: int, end: int
+    ) -> None:
+        """Appends ``other``'s sequence ``other_id`` tokens ``[start, end)``. Mutates."""
+        sid = as_id(seq_id)
+        oid = other._known(other_id)
+        n = other.seq_len(oid)
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= n):
+            raise ValueError(f"range [{start}, {end}) out of bounds for a sequence of {n}")
+        self._t.append_from(sid, other._t, oid, start, end)
+
+    def seal(self, seq_id: int) -> None:
+        """Marks a sequence complete, freeing what appending needs. Mutates."""
+        self._t.seal(self._known(seq_id))
+
+    def remove(self, seq_id: int) -> None:
+        """Removes a sequence and all its counts. Mutates."""
+        self._t.remove(self._known(seq_id))
+
+    def contains(self, seq_id: int) -> bool:
+        return bool(self._t.contains(as_id(seq_id)))
+
+    def seq_len(self, seq_id: int) -> int:
+        return int(self._t.seq_len(self._known(seq_id)))
+
+    def sequence(self, seq_id: int) -> list[int]:
+        return [int(t) for t in self._t.sequence(self._known(seq_id))]
+
+    def count(self, path: TokensLike) -> int:
+        """Occurrences of ``path`` among all suffixes (0 if absent or empty)."""
+        return int(self._t.count(as_tokens(path, "path")))
+
+    def children(self, path: TokensLike) -> list[tuple[int, int]]:
+        """``(token, count)`` of the tokens that follow ``path``, best first."""
+        return [(int(t), int(c)) for t, c in self._t.children(as_tokens(path, "path"))]
+
+    def match_len(self, context: TokensLike) -> int:
+        """Length of the longest suffix of ``context`` present (at most max_depth)."""
+        return int(self._t.match_len(as_tokens(context, "context")))
+
+    def speculate(
+        self,
+        context: TokensLike,
+        max_tokens: int = 16,
+        factor: float = 1.0,
+        offset: float = 0.0,
+        min_prob: float = 0.1,
+        tree: bool = False,
+        alpha: float = 0.0,
+    ) -> SpecResult:
+        """Best draft continuing ``context`` over all match lengths."""
+        ctx = as_tokens(context, "context")
+        p = draft_params(max_tokens, factor, offset, min_prob, tree, alpha)
+        tok, par, prob, score, match_len = self._t.speculate(ctx, *p)
+        return SpecResult(tok, par, prob, float(score), int(match_len))
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the tree: nodes, child lists, indexes and sequences."""
+        return int(self._t.memory_bytes())
+
+    def check_integrity(self) -> None:
+        """Recounts everything by brute force; raises RuntimeError if broken. Slow."""
+        self._t.check_integrity()
+
+
+def propose_batch(
+    locals_: Sequence[SuffixTree],
+    local_ids: Sequence[int],
+    groups: Sequence[SuffixTree],
+    global_tree: SuffixTree | None,
+    budgets: npt.NDArray[np.int32],
+    params: DraftParams,
+    group_weight: float,
+) -> BatchDrafts:
+    """Drafts for many sequences in one native call (GIL released while drafting).
+
+    Inputs are trusted: the speculator builds them from validated state.
+    """
+    out = _C.propose_batch(
+        [t.native for t in locals_],
+        np.asarray(local_ids, dtype=np.int64),
+        [g.native for g in groups],
+        None if global_tree is None else global_tree.native,
+        np.ascontiguousarray(budgets, dtype=np.int32),
+        *params,
+        float(group_weight),
+    )
+    return BatchDrafts(*out)
