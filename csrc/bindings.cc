@@ -28,16 +28,24 @@ nb::ndarray<nb::numpy, T, nb::ndim<1>> to_numpy(std::vector<T>&& v) {
   return nb::ndarray<nb::numpy, T, nb::ndim<1>>(heap->data(), {heap->size()}, owner);
 }
 
+using Alpha = nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// `alpha` holds one smoothing value per trie depth 0..max_depth (checked by the caller).
 war::SpecParams make_params(int32_t max_tokens, double factor, double offset, double min_prob,
-                            bool tree, double alpha) {
+                            bool tree, const Alpha& alpha) {
   war::SpecParams p;
   p.max_tokens = max_tokens;
   p.factor = factor;
   p.offset = offset;
   p.min_prob = min_prob;
   p.tree = tree;
-  p.alpha = alpha;
+  p.alpha = alpha.data();
   return p;
+}
+
+void check_alpha(const Alpha& alpha, const war::SuffixTree& t) {
+  if (alpha.shape(0) < static_cast<size_t>(t.max_depth()) + 1)
+    throw std::invalid_argument("alpha must hold max_depth + 1 values");
 }
 
 nb::tuple draft_tuple(war::DraftResult&& d) {
@@ -92,7 +100,8 @@ NB_MODULE(_C, m) {
            "context"_a)
       .def("speculate",
            [](const war::SuffixTree& t, Tokens ctx, int32_t max_tokens, double factor,
-              double offset, double min_prob, bool tree, double alpha) {
+              double offset, double min_prob, bool tree, Alpha alpha) {
+             check_alpha(alpha, t);
              war::DraftResult d;
              {
                nb::gil_scoped_release release;
@@ -105,7 +114,8 @@ NB_MODULE(_C, m) {
            "alpha"_a)
       .def("speculate_self",
            [](const war::SuffixTree& t, int64_t seq_id, int32_t max_tokens, double factor,
-              double offset, double min_prob, bool tree, double alpha) {
+              double offset, double min_prob, bool tree, Alpha alpha) {
+             check_alpha(alpha, t);
              return draft_tuple(t.speculate_self(
                  seq_id, make_params(max_tokens, factor, offset, min_prob, tree, alpha)));
            },
@@ -119,19 +129,26 @@ NB_MODULE(_C, m) {
          const std::vector<const war::SuffixTree*>& groups, const war::SuffixTree* global,
          nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> budgets,
          int32_t max_tokens, double factor, double offset, double min_prob, bool tree,
-         double alpha, double group_weight) {
+         Alpha alpha_group, Alpha alpha_local, Alpha alpha_global, double group_weight) {
         const size_t n = locals.size();
         if (seq_ids.shape(0) != n || groups.size() != n || budgets.shape(0) != n)
           throw std::invalid_argument("propose_batch: argument lengths differ");
         std::vector<war::BatchItem> items(n);
+        if (global != nullptr) check_alpha(alpha_global, *global);
+        for (size_t i = 0; i < n; ++i) {
+          check_alpha(alpha_local, *locals[i]);
+          check_alpha(alpha_group, *groups[i]);
+        }
+        const war::SpecParams params[3] = {
+            make_params(max_tokens, factor, offset, min_prob, tree, alpha_group),
+            make_params(max_tokens, factor, offset, min_prob, tree, alpha_local),
+            make_params(max_tokens, factor, offset, min_prob, tree, alpha_global)};
         for (size_t i = 0; i < n; ++i)
           items[i] = war::BatchItem{locals[i], seq_ids.data()[i], groups[i], budgets.data()[i]};
         war::BatchResult r;
         {
           nb::gil_scoped_release release;
-          war::propose_batch(items, global,
-                             make_params(max_tokens, factor, offset, min_prob, tree, alpha),
-                             group_weight, &r);
+          war::propose_batch(items, global, params, group_weight, &r);
         }
         return nb::make_tuple(to_numpy(std::move(r.tokens)), to_numpy(std::move(r.parents)),
                               to_numpy(std::move(r.probs)), to_numpy(std::move(r.offsets)),
@@ -139,5 +156,6 @@ NB_MODULE(_C, m) {
                               to_numpy(std::move(r.match_lens)));
       },
       "locals"_a, "seq_ids"_a, "groups"_a, "global_tree"_a.none(), "budgets"_a, "max_tokens"_a,
-      "factor"_a, "offset"_a, "min_prob"_a, "tree"_a, "alpha"_a, "group_weight"_a);
+      "factor"_a, "offset"_a, "min_prob"_a, "tree"_a, "alpha_group"_a, "alpha_local"_a,
+      "alpha_global"_a, "group_weight"_a);
 }

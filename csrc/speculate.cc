@@ -15,7 +15,7 @@ int32_t SuffixTree::limit_for(int32_t k, const SpecParams& p) const {
   return static_cast<int32_t>(x);
 }
 
-void SuffixTree::draft_path(Position at, int32_t limit, const SpecParams& p,
+void SuffixTree::draft_path(Position at, int32_t depth, int32_t limit, const SpecParams& p,
                             DraftResult* out) const {
   Node* cur = at.node;
   int32_t off = at.offset;
@@ -26,16 +26,18 @@ void SuffixTree::draft_path(Position at, int32_t limit, const SpecParams& p,
     double prob;
     if (off < cur->length) {
       token = label(cur)[off];
-      prob = static_cast<double>(cur->count) / (static_cast<double>(cur->count) + p.alpha);
+      prob = static_cast<double>(cur->count) / (static_cast<double>(cur->count) + p.alpha[depth]);
       ++off;
     } else {
       if (cur->children.empty()) break;
       Node* c = cur->children[0];
       token = c->token;
-      prob = static_cast<double>(c->count) / (static_cast<double>(cur->count) + p.alpha);
+      prob =
+          static_cast<double>(c->count) / (static_cast<double>(cur->child_sum) + p.alpha[depth]);
       cur = c;
       off = 1;
     }
+    ++depth;
     p_cum = p_cum * prob;
     if (p_cum < p.min_prob) break;
     out->tokens.push_back(token);
@@ -55,6 +57,7 @@ struct Candidate {
   Node* node;
   int32_t off;
   int32_t parent;    // draft index of the token it follows (-1 = the context)
+  int32_t depth;     // trie depth after emitting it
   double p_cum_up;   // cumulative probability where the choice was made
 };
 struct Worse {
@@ -65,25 +68,25 @@ struct Worse {
 };
 }  // namespace
 
-void SuffixTree::draft_tree(Position at, int32_t limit, const SpecParams& p,
+void SuffixTree::draft_tree(Position at, int32_t depth, int32_t limit, const SpecParams& p,
                             DraftResult* out) const {
   std::priority_queue<Candidate, std::vector<Candidate>, Worse> heap;
   uint64_t order = 0;
-  auto push_first = [&](Node* cur, int32_t off, double p_here, int32_t parent) {
+  auto push_first = [&](Node* cur, int32_t off, int32_t d, double p_here, int32_t parent) {
     if (off < cur->length) {
       const double prob =
-          static_cast<double>(cur->count) / (static_cast<double>(cur->count) + p.alpha);
+          static_cast<double>(cur->count) / (static_cast<double>(cur->count) + p.alpha[d]);
       const double pc = p_here * prob;
-      if (pc >= p.min_prob) heap.push({pc, order++, cur, off + 1, parent, p_here});
+      if (pc >= p.min_prob) heap.push({pc, order++, cur, off + 1, parent, d + 1, p_here});
     } else if (!cur->children.empty()) {
       Node* c = cur->children[0];
       const double prob =
-          static_cast<double>(c->count) / (static_cast<double>(cur->count) + p.alpha);
+          static_cast<double>(c->count) / (static_cast<double>(cur->child_sum) + p.alpha[d]);
       const double pc = p_here * prob;
-      if (pc >= p.min_prob) heap.push({pc, order++, c, 1, parent, p_here});
+      if (pc >= p.min_prob) heap.push({pc, order++, c, 1, parent, d + 1, p_here});
     }
   };
-  push_first(at.node, at.offset, 1.0, -1);
+  push_first(at.node, at.offset, depth, 1.0, -1);
   while (!heap.empty() && static_cast<int32_t>(out->tokens.size()) < limit) {
     const Candidate x = heap.top();
     heap.pop();
@@ -96,19 +99,19 @@ void SuffixTree::draft_tree(Position at, int32_t limit, const SpecParams& p,
       const Node* u = x.node->parent;
       if (x.node->pos + 1 < u->children.size()) {
         Node* s = u->children[x.node->pos + 1];
-        const double prob =
-            static_cast<double>(s->count) / (static_cast<double>(u->count) + p.alpha);
+        const double prob = static_cast<double>(s->count) /
+                            (static_cast<double>(u->child_sum) + p.alpha[x.depth - 1]);
         const double pc = x.p_cum_up * prob;
-        if (pc >= p.min_prob) heap.push({pc, order++, s, 1, x.parent, x.p_cum_up});
+        if (pc >= p.min_prob) heap.push({pc, order++, s, 1, x.parent, x.depth, x.p_cum_up});
       }
     }
-    push_first(x.node, x.off, x.p_cum, idx);
+    push_first(x.node, x.off, x.depth, x.p_cum, idx);
   }
 }
 
-void SuffixTree::draft_from(Position at, int32_t limit, const SpecParams& p,
+void SuffixTree::draft_from(Position at, int32_t depth, int32_t limit, const SpecParams& p,
                             DraftResult* out) const {
-  if (p.tree) draft_tree(at, limit, p, out); else draft_path(at, limit, p, out);
+  if (p.tree) draft_tree(at, depth, limit, p, out); else draft_path(at, depth, limit, p, out);
 }
 
 DraftResult SuffixTree::speculate(const int32_t* ctx, size_t n, const SpecParams& p) const {
@@ -120,7 +123,7 @@ DraftResult SuffixTree::speculate(const int32_t* ctx, size_t n, const SpecParams
     Position at;
     walk(ctx + n - k, static_cast<size_t>(k), &at);
     DraftResult d;
-    draft_from(at, limit, p, &d);
+    draft_from(at, k, limit, p, &d);
     if (d.score > best.score) {
       best = std::move(d);
       best.match_len = k;
@@ -147,7 +150,7 @@ DraftResult SuffixTree::speculate_self(int64_t seq_id, const SpecParams& p) cons
     Node* node = s.active[k];
     if (node->children.empty()) continue;  // nothing ever followed this suffix
     DraftResult d;
-    draft_from(Position{node, node->length}, limit, p, &d);
+    draft_from(Position{node, node->length}, k, limit, p, &d);
     if (d.score > best.score) {
       best = std::move(d);
       best.match_len = k;
@@ -157,15 +160,15 @@ DraftResult SuffixTree::speculate_self(int64_t seq_id, const SpecParams& p) cons
 }
 
 void propose_batch(const std::vector<BatchItem>& items, const SuffixTree* global,
-                   const SpecParams& params, double group_weight, BatchResult* out) {
+                   const SpecParams (&params)[3], double group_weight, BatchResult* out) {
   out->offsets.assign(1, 0);
   for (const BatchItem& item : items) {
-    SpecParams p = params;
-    p.max_tokens = std::min(params.max_tokens, item.budget);
+    SpecParams p[3] = {params[0], params[1], params[2]};
+    for (SpecParams& q : p) q.max_tokens = std::min(q.max_tokens, item.budget);
     DraftResult best;
     Source source = Source::kNone;
     double best_weighted = 0.0;
-    if (p.max_tokens > 0) {
+    if (p[0].max_tokens > 0) {
       const std::vector<int32_t>& seq = item.local->sequence(item.seq_id);
       const size_t ctx_len =
           std::min(seq.size(), static_cast<size_t>(item.local->max_depth()));
@@ -179,10 +182,10 @@ void propose_batch(const std::vector<BatchItem>& items, const SuffixTree* global
         }
       };
       if (group_weight > 0.0 && item.group->num_seqs() > 0)
-        consider(item.group->speculate(ctx, ctx_len, p), group_weight, Source::kGroup);
-      consider(item.local->speculate_self(item.seq_id, p), 1.0, Source::kLocal);
+        consider(item.group->speculate(ctx, ctx_len, p[0]), group_weight, Source::kGroup);
+      consider(item.local->speculate_self(item.seq_id, p[1]), 1.0, Source::kLocal);
       if (global != nullptr && global->num_seqs() > 0)
-        consider(global->speculate(ctx, ctx_len, p), 1.0, Source::kGlobal);
+        consider(global->speculate(ctx, ctx_len, p[2]), 1.0, Source::kGlobal);
     }
     if (source == Source::kNone) best = DraftResult();
     out->tokens.insert(out->tokens.end(), best.tokens.begin(), best.tokens.end());

@@ -30,7 +30,9 @@ struct BatchResult {
 };
 
 // One call per engine step; touches no Python state (callers release the GIL).
+// `params[s]` are the drafting parameters of source s (group, local, global): the
+// same but for their smoothing tables (alpha).
 void propose_batch(const std::vector<BatchItem>& items, const SuffixTree* global,
-                   const SpecParams& params, double group_weight, BatchResult* out);
+                   const SpecParams (&params)[3], double group_weight, BatchResult* out);
 
 }  // namespace war

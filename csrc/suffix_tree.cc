@@ -120,6 +120,7 @@ void SuffixTree::increment(Node* c) {
     c->pos = static_cast<uint32_t>(lo);
   }
   ++c->count;
+  ++c->parent->child_sum;
 }
 
 // Count k -> k-1: swap with the last sibling of count k; drop the child at 0.
@@ -139,6 +140,7 @@ void SuffixTree::decrement(Node* c) {
     c->pos = static_cast<uint32_t>(lo);
   }
   --c->count;
+  --parent->child_sum;
   if (c->count == 0) remove_last_child(parent);
 }
 
@@ -201,6 +203,7 @@ Node* SuffixTree::extend(uint32_t slot, Node* a, int32_t /*depth*/, int32_t toke
     c->length = 1;
     set_ref(c, slot, pos + 1);
     add_child(a, c);
+    ++a->child_sum;
     return c;
   }
   if (c->length > 1) {
@@ -208,6 +211,7 @@ Node* SuffixTree::extend(uint32_t slot, Node* a, int32_t /*depth*/, int32_t toke
     Node* top = new_node();
     top->token = token;
     top->count = c->count;
+    top->child_sum = c->count;
     top->length = 1;
     set_ref(top, c->ref_slot, c->ref_end - c->length + 1);
     replace_child(a, c, top);
@@ -441,6 +445,7 @@ void SuffixTree::check_node(const Node* n, std::vector<int32_t>* path, size_t* n
     child_sum += c->count;
   }
   if (n->index && n->index->size() != n->children.size()) fail("child index size");
+  if (child_sum != n->child_sum) fail("child_sum out of date");
   if (n != root_) {
     if (child_sum > n->count) fail("children count more than their parent");
     if (n->children.size() == 1 && n->children[0]->count == n->count)

@@ -39,6 +39,7 @@ namespace war {
 struct Node {
   int32_t token = -1;      // first token of the label (the key in the parent's list)
   int32_t count = 0;       // occurrence count shared by every token of the label
+  int32_t child_sum = 0;   // sum of the children's counts (occurrences that continue)
   int32_t length = 0;      // label length in tokens (0 only for the root)
   int32_t ref_end = 0;     // label = slots[ref_slot].tokens[ref_end - length, ref_end)
   uint32_t ref_slot = 0;   // slot holding an occurrence of this node's whole path
@@ -68,7 +69,7 @@ struct SpecParams {
   double factor = 1.0;
   double offset = 0.0;
   double min_prob = 0.1;
-  double alpha = 0.0;
+  const double* alpha = nullptr;  // smoothing by depth: alpha[d], d in [0, max_depth]
   bool tree = false;
 };
 
@@ -140,9 +141,12 @@ class SuffixTree {
   void append_token(uint32_t slot, int32_t token);
   uint32_t slot_for_append(int64_t seq_id);
   bool walk(const int32_t* path, size_t n, Position* out) const;
-  void draft_from(Position start, int32_t limit, const SpecParams& p, DraftResult* out) const;
-  void draft_path(Position start, int32_t limit, const SpecParams& p, DraftResult* out) const;
-  void draft_tree(Position start, int32_t limit, const SpecParams& p, DraftResult* out) const;
+  void draft_from(Position start, int32_t depth, int32_t limit, const SpecParams& p,
+                  DraftResult* out) const;
+  void draft_path(Position start, int32_t depth, int32_t limit, const SpecParams& p,
+                  DraftResult* out) const;
+  void draft_tree(Position start, int32_t depth, int32_t limit, const SpecParams& p,
+                  DraftResult* out) const;
   int32_t limit_for(int32_t k, const SpecParams& p) const;
   void check_node(const Node* n, std::vector<int32_t>* path, size_t* num_nodes,
                   std::vector<int64_t>* slot_refs) const;

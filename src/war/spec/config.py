@@ -23,8 +23,14 @@ class SpecConfig:
     * ``min_prob``: a draft token whose estimated probability falls below this
       is not proposed.
     * ``tree``: propose token trees (best-first by probability) instead of chains.
-    * ``alpha``: smoothing of the probability estimate ``count(child) /
-      (count(node) + alpha)``; a larger value distrusts rarely-seen contexts.
+    * ``alpha``, ``alpha_decay``: smoothing of the probability estimate
+      ``count(child) / (continuations(node) + alpha * alpha_decay**depth)`` for
+      drafts from the group's history; a larger value distrusts rarely-seen
+      continuations, and the decay trusts them more the longer the context they
+      follow (the trie depth).
+    * ``local_alpha``, ``global_alpha``: the same for drafts from the trajectory
+      itself and from everyone's history, which predict less reliably than the
+      group's own history.
     * ``group_weight``: multiplier on the score of drafts from the trajectory's
       own group's history; ``> 1`` prefers the group, ``0`` ignores groups.
     * ``use_global``: also draft from the history of all groups.
@@ -43,6 +49,9 @@ class SpecConfig:
     min_prob: float = 0.1
     tree: bool = False
     alpha: float = 0.0
+    alpha_decay: float = 1.0
+    local_alpha: float = 0.0
+    global_alpha: float = 0.0
     group_weight: float = 1.0
     use_global: bool = True
     lead_in: int = 8
@@ -57,6 +66,9 @@ class SpecConfig:
         _check_float("offset", self.offset, None)
         _check_float("min_prob", self.min_prob, 0.0, 1.0)
         _check_float("alpha", self.alpha, 0.0)
+        _check_float("alpha_decay", self.alpha_decay, 0.0, 1.0)
+        _check_float("local_alpha", self.local_alpha, 0.0)
+        _check_float("global_alpha", self.global_alpha, 0.0)
         _check_float("group_weight", self.group_weight, 0.0)
         if not isinstance(self.tree, bool):
             raise ValueError(f"tree must be a bool, got {self.tree!r}")
@@ -66,6 +78,12 @@ class SpecConfig:
             _check_int("history_window_steps", self.history_window_steps, 1)
         if self.history_token_budget is not None:
             _check_int("history_token_budget", self.history_token_budget, 0)
+
+    def alpha_table(self, alpha: float | None = None) -> tuple[float, ...]:
+        """Smoothing per trie depth ``0..max_depth``: ``alpha * alpha_decay**depth``
+        (``alpha`` defaults to the group's)."""
+        a = self.alpha if alpha is None else alpha
+        return tuple(a * self.alpha_decay**d for d in range(self.max_depth + 1))
 
 
 def _check_int(name: str, value: object, low: int) -> None:

@@ -31,6 +31,7 @@ from war.spec.tree import (
     DraftParams,
     SuffixTree,
     TokensLike,
+    alpha_table,
     as_id,
     as_tokens,
     draft_params,
@@ -68,8 +69,11 @@ class SuffixSpeculator:
         self.config = config if config is not None else SpecConfig()
         c = self.config
         self._params: DraftParams = draft_params(
-            c.max_spec_tokens, c.factor, c.offset, c.min_prob, c.tree, c.alpha
+            c.max_spec_tokens, c.factor, c.offset, c.min_prob, c.tree, c.alpha_table(),
+            c.max_depth,
         )
+        self._local_alpha = alpha_table(c.alpha_table(c.local_alpha), c.max_depth)
+        self._global_alpha = alpha_table(c.alpha_table(c.global_alpha), c.max_depth)
         self._trajs: dict[int, _Trajectory] = {}
         self._groups: dict[Hashable, SuffixTree] = {}
         self._global = SuffixTree(c.max_depth)
@@ -254,6 +258,8 @@ class SuffixSpeculator:
             self._global if self.config.use_global else None,
             budget_arr,
             self._params,
+            self._local_alpha,
+            self._global_alpha,
             self.config.group_weight,
         )
 

@@ -103,11 +103,40 @@ class DraftParams(NamedTuple):
     offset: float
     min_prob: float
     tree: bool
-    alpha: float
+    alpha: npt.NDArray[np.float64]  # smoothing per trie depth, 0..max_depth
+
+
+AlphaLike = float | Sequence[float] | npt.NDArray[np.float64]
+
+
+def alpha_table(alpha: AlphaLike, max_depth: int) -> npt.NDArray[np.float64]:
+    """Smoothing per trie depth ``0..max_depth``: a constant, or one value per depth."""
+    if isinstance(alpha, (int, float, np.floating)) and not isinstance(alpha, bool):
+        values = np.full(max_depth + 1, float(alpha), dtype=np.float64)
+    else:
+        try:
+            values = np.asarray(alpha, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ValueError(f"alpha must be a number or a sequence of numbers, got {alpha!r}") \
+                from None
+        if values.ndim != 1 or values.size != max_depth + 1:
+            raise ValueError(
+                f"alpha must be a number or {max_depth + 1} values (one per depth 0..max_depth),"
+                f" got shape {values.shape}"
+            )
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+        raise ValueError("alpha values must be finite and >= 0")
+    return np.ascontiguousarray(values)
 
 
 def draft_params(
-    max_tokens: int, factor: float, offset: float, min_prob: float, tree: bool, alpha: float
+    max_tokens: int,
+    factor: float,
+    offset: float,
+    min_prob: float,
+    tree: bool,
+    alpha: AlphaLike,
+    max_depth: int,
 ) -> DraftParams:
     """Checks drafting parameters, naming the first bad one."""
     if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool):
@@ -115,7 +144,7 @@ def draft_params(
     if not 0 <= int(max_tokens) <= INT32_MAX:
         raise ValueError(f"max_tokens must be in [0, {INT32_MAX}], got {max_tokens}")
     for name, value, low in (("factor", factor, 0.0), ("offset", offset, None),
-                             ("min_prob", min_prob, 0.0), ("alpha", alpha, 0.0)):
+                             ("min_prob", min_prob, 0.0)):
         if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
             raise ValueError(f"{name} must be a number, got {value!r}")
         if not math.isfinite(float(value)) or (low is not None and float(value) < low):
@@ -125,7 +154,7 @@ def draft_params(
     if not isinstance(tree, bool):
         raise ValueError(f"tree must be a bool, got {tree!r}")
     return DraftParams(int(max_tokens), float(factor), float(offset), float(min_prob), tree,
-                       float(alpha))
+                       alpha_table(alpha, max_depth))
 
 
 class SuffixTree:
@@ -230,11 +259,15 @@ class SuffixTree:
         offset: float = 0.0,
         min_prob: float = 0.1,
         tree: bool = False,
-        alpha: float = 0.0,
+        alpha: AlphaLike = 0.0,
     ) -> SpecResult:
-        """Best draft continuing ``context`` over all match lengths."""
+        """Best draft continuing ``context`` over all match lengths.
+
+        ``alpha``: smoothing of the probability estimates, a constant or one value
+        per trie depth ``0..max_depth``.
+        """
         ctx = as_tokens(context, "context")
-        p = draft_params(max_tokens, factor, offset, min_prob, tree, alpha)
+        p = draft_params(max_tokens, factor, offset, min_prob, tree, alpha, self.max_depth)
         tok, par, prob, score, match_len = self._t.speculate(ctx, *p)
         return SpecResult(tok, par, prob, float(score), int(match_len))
 
@@ -254,11 +287,14 @@ def propose_batch(
     global_tree: SuffixTree | None,
     budgets: npt.NDArray[np.int32],
     params: DraftParams,
+    local_alpha: npt.NDArray[np.float64],
+    global_alpha: npt.NDArray[np.float64],
     group_weight: float,
 ) -> BatchDrafts:
     """Drafts for many sequences in one native call (GIL released while drafting).
 
-    Inputs are trusted: the speculator builds them from validated state.
+    ``params.alpha`` smooths group drafts; local and global drafts have their own
+    tables. Inputs are trusted: the speculator builds them from validated state.
     """
     out = _C.propose_batch(
         [t.native for t in locals_],
@@ -267,6 +303,8 @@ def propose_batch(
         None if global_tree is None else global_tree.native,
         np.ascontiguousarray(budgets, dtype=np.int32),
         *params,
+        local_alpha,
+        global_alpha,
         float(group_weight),
     )
     return BatchDrafts(*out)
