@@ -70,7 +70,15 @@ struct Worse {
 
 void SuffixTree::draft_tree(Position at, int32_t depth, int32_t limit, const SpecParams& p,
                             DraftResult* out) const {
-  std::priority_queue<Candidate, std::vector<Candidate>, Worse> heap;
+  thread_local std::vector<Candidate> heap_storage;
+  heap_storage.clear();
+  struct Heap {
+    std::vector<Candidate>& v;
+    bool empty() const { return v.empty(); }
+    void push(const Candidate& c) { v.push_back(c); std::push_heap(v.begin(), v.end(), Worse()); }
+    const Candidate& top() const { return v.front(); }
+    void pop() { std::pop_heap(v.begin(), v.end(), Worse()); v.pop_back(); }
+  } heap{heap_storage};
   uint64_t order = 0;
   auto push_first = [&](Node* cur, int32_t off, int32_t d, double p_here, int32_t parent) {
     if (off < cur->length) {
@@ -114,58 +122,90 @@ void SuffixTree::draft_from(Position at, int32_t depth, int32_t limit, const Spe
   if (p.tree) draft_tree(at, depth, limit, p, out); else draft_path(at, depth, limit, p, out);
 }
 
-DraftResult SuffixTree::speculate(const int32_t* ctx, size_t n, const SpecParams& p) const {
-  DraftResult best;
+namespace {
+void reset(DraftResult* d) {
+  d->tokens.clear();
+  d->parents.clear();
+  d->probs.clear();
+  d->score = 0.0;
+  d->match_len = 0;
+}
+}  // namespace
+
+void SuffixTree::speculate_into(const int32_t* ctx, size_t n, const SpecParams& p,
+                                DraftResult* best) const {
+  thread_local DraftResult cand;  // reused: no allocation per match length
+  reset(best);
   const int32_t max_k = match_len(ctx, n);
   for (int32_t k = max_k; k >= 1; --k) {
     const int32_t limit = limit_for(k, p);
-    if (static_cast<double>(limit) <= best.score) break;
+    if (static_cast<double>(limit) <= best->score) break;
     Position at;
     walk(ctx + n - k, static_cast<size_t>(k), &at);
-    DraftResult d;
-    draft_from(at, k, limit, p, &d);
-    if (d.score > best.score) {
-      best = std::move(d);
-      best.match_len = k;
+    reset(&cand);
+    draft_from(at, k, limit, p, &cand);
+    if (cand.score > best->score) {
+      std::swap(*best, cand);
+      best->match_len = k;
     }
   }
-  return best;
 }
 
-DraftResult SuffixTree::speculate_self(int64_t seq_id, const SpecParams& p) const {
+void SuffixTree::speculate_self_into(int64_t seq_id, const SpecParams& p,
+                                     DraftResult* best) const {
   auto it = ids_.find(seq_id);
   if (it == ids_.end())
     throw std::invalid_argument("unknown sequence id " + std::to_string(seq_id));
   const Slot& s = slots_[it->second];
   if (s.active.empty()) {
-    return speculate(s.tokens.data(), s.tokens.size(), p);
+    speculate_into(s.tokens.data(), s.tokens.size(), p, best);
+    return;
   }
-  DraftResult best;
-  // The suffix of depth max_depth has no children, so it never drafts.
-  const int32_t max_k =
-      std::min(static_cast<int32_t>(s.tokens.size()), max_depth_ - 1);
-  for (int32_t k = max_k; k >= 1; --k) {
+  thread_local DraftResult cand;
+  reset(best);
+  // Only a suffix seen at least twice can have continued; that is monotone in
+  // the depth (a longer string occurs no more often), so binary search the
+  // deepest such suffix. The suffix of depth max_depth never continues.
+  int32_t lo = 0;
+  int32_t hi = std::min(static_cast<int32_t>(s.tokens.size()), max_depth_ - 1);
+  while (lo < hi) {
+    const int32_t mid = (lo + hi + 1) / 2;
+    if (s.active[mid]->count >= 2) lo = mid; else hi = mid - 1;
+  }
+  for (int32_t k = lo; k >= 1; --k) {
     const int32_t limit = limit_for(k, p);
-    if (static_cast<double>(limit) <= best.score) break;
+    if (static_cast<double>(limit) <= best->score) break;
     Node* node = s.active[k];
-    if (node->children.empty()) continue;  // nothing ever followed this suffix
-    DraftResult d;
-    draft_from(Position{node, node->length}, k, limit, p, &d);
-    if (d.score > best.score) {
-      best = std::move(d);
-      best.match_len = k;
+    if (node->children.empty()) continue;  // every occurrence ends here
+    reset(&cand);
+    draft_from(Position{node, node->length}, k, limit, p, &cand);
+    if (cand.score > best->score) {
+      std::swap(*best, cand);
+      best->match_len = k;
     }
   }
+}
+
+DraftResult SuffixTree::speculate(const int32_t* ctx, size_t n, const SpecParams& p) const {
+  DraftResult best;
+  speculate_into(ctx, n, p, &best);
+  return best;
+}
+
+DraftResult SuffixTree::speculate_self(int64_t seq_id, const SpecParams& p) const {
+  DraftResult best;
+  speculate_self_into(seq_id, p, &best);
   return best;
 }
 
 void propose_batch(const std::vector<BatchItem>& items, const SuffixTree* global,
                    const SpecParams (&params)[3], double group_weight, BatchResult* out) {
   out->offsets.assign(1, 0);
+  DraftResult best, cand;
   for (const BatchItem& item : items) {
     SpecParams p[3] = {params[0], params[1], params[2]};
     for (SpecParams& q : p) q.max_tokens = std::min(q.max_tokens, item.budget);
-    DraftResult best;
+    reset(&best);
     Source source = Source::kNone;
     double best_weighted = 0.0;
     if (p[0].max_tokens > 0) {
@@ -173,21 +213,26 @@ void propose_batch(const std::vector<BatchItem>& items, const SuffixTree* global
       const size_t ctx_len =
           std::min(seq.size(), static_cast<size_t>(item.local->max_depth()));
       const int32_t* ctx = seq.data() + (seq.size() - ctx_len);
-      auto consider = [&](DraftResult&& d, double weight, Source src) {
-        const double w = d.score * weight;
+      auto consider = [&](double weight, Source src) {
+        const double w = cand.score * weight;
         if (w > best_weighted) {
           best_weighted = w;
-          best = std::move(d);
+          std::swap(best, cand);
           source = src;
         }
       };
-      if (group_weight > 0.0 && item.group->num_seqs() > 0)
-        consider(item.group->speculate(ctx, ctx_len, p[0]), group_weight, Source::kGroup);
-      consider(item.local->speculate_self(item.seq_id, p[1]), 1.0, Source::kLocal);
-      if (global != nullptr && global->num_seqs() > 0)
-        consider(global->speculate(ctx, ctx_len, p[2]), 1.0, Source::kGlobal);
+      if (group_weight > 0.0 && item.group->num_seqs() > 0) {
+        item.group->speculate_into(ctx, ctx_len, p[0], &cand);
+        consider(group_weight, Source::kGroup);
+      }
+      item.local->speculate_self_into(item.seq_id, p[1], &cand);
+      consider(1.0, Source::kLocal);
+      if (global != nullptr && global->num_seqs() > 0) {
+        global->speculate_into(ctx, ctx_len, p[2], &cand);
+        consider(1.0, Source::kGlobal);
+      }
     }
-    if (source == Source::kNone) best = DraftResult();
+    if (source == Source::kNone) reset(&best);
     out->tokens.insert(out->tokens.end(), best.tokens.begin(), best.tokens.end());
     out->parents.insert(out->parents.end(), best.parents.begin(), best.parents.end());
     out->probs.insert(out->probs.end(), best.probs.begin(), best.probs.end());

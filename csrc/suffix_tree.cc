@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <new>
 #include <string>
 
 namespace war {
@@ -20,8 +21,8 @@ constexpr uint32_t kNoSlot = std::numeric_limits<uint32_t>::max();
 
 SuffixTree::SuffixTree(int32_t max_depth) : max_depth_(max_depth) {
   if (max_depth < 1) throw std::invalid_argument("max_depth must be >= 1");
-  root_ = new Node();
-  root_->ref_slot = kNoSlot;
+  root_ = new_node();
+  num_nodes_ = 0;  // the root is not counted
 }
 
 SuffixTree::~SuffixTree() {
@@ -30,14 +31,27 @@ SuffixTree::~SuffixTree() {
     Node* n = stack.back();
     stack.pop_back();
     for (Node* c : n->children) stack.push_back(c);
-    delete n;
+    n->~Node();
   }
 }
 
 // ---------------------------------------------------------------- node helpers
 
 Node* SuffixTree::new_node() {
-  Node* n = new Node();
+  void* mem;
+  if (!free_nodes_.empty()) {
+    mem = free_nodes_.back();
+    free_nodes_.pop_back();
+  } else {
+    if (chunk_used_ == chunk_size_) {
+      chunk_size_ = chunk_size_ == 0 ? 16 : std::min<size_t>(chunk_size_ * 2, 4096);
+      chunks_.emplace_back(new NodeStorage[chunk_size_]);
+      chunk_total_ += chunk_size_;
+      chunk_used_ = 0;
+    }
+    mem = &chunks_.back()[chunk_used_++];
+  }
+  Node* n = new (mem) Node();
   n->ref_slot = kNoSlot;
   ++num_nodes_;
   return n;
@@ -45,7 +59,8 @@ Node* SuffixTree::new_node() {
 
 void SuffixTree::free_node(Node* n) {
   if (n->ref_slot != kNoSlot) release_slot_ref(n->ref_slot);
-  delete n;
+  n->~Node();
+  free_nodes_.push_back(n);
   --num_nodes_;
 }
 
@@ -400,12 +415,14 @@ size_t SuffixTree::memory_bytes() const {
   while (!stack.empty()) {
     const Node* n = stack.back();
     stack.pop_back();
-    bytes += sizeof(Node) + n->children.capacity() * sizeof(Node*);
+    bytes += n->children.capacity() * sizeof(Node*);
     if (n->index)
       bytes += sizeof(*n->index) + n->index->bucket_count() * sizeof(void*) +
                n->index->size() * (sizeof(std::pair<const int32_t, Node*>) + 2 * sizeof(void*));
     for (const Node* c : n->children) stack.push_back(c);
   }
+  bytes += chunk_total_ * sizeof(Node) + chunks_.capacity() * sizeof(void*) +
+           free_nodes_.capacity() * sizeof(Node*);
   bytes += slots_.capacity() * sizeof(Slot) + free_slots_.capacity() * sizeof(uint32_t);
   for (const Slot& s : slots_)
     bytes += s.tokens.capacity() * sizeof(int32_t) + s.active.capacity() * sizeof(Node*);

@@ -110,6 +110,9 @@ class SuffixTree {
   // The same, for the context that is sequence `seq_id` itself, using its growing
   // suffixes instead of walking from the root.
   DraftResult speculate_self(int64_t seq_id, const SpecParams& p) const;
+  // In-place forms for hot loops: `out` is overwritten, its buffers reused.
+  void speculate_into(const int32_t* ctx, size_t n, const SpecParams& p, DraftResult* out) const;
+  void speculate_self_into(int64_t seq_id, const SpecParams& p, DraftResult* out) const;
 
   // Throws std::logic_error describing the first broken invariant.
   void check_integrity() const;
@@ -150,6 +153,16 @@ class SuffixTree {
   int32_t limit_for(int32_t k, const SpecParams& p) const;
   void check_node(const Node* n, std::vector<int32_t>* path, size_t* num_nodes,
                   std::vector<int64_t>* slot_refs) const;
+
+  // Nodes live in chunks owned by the tree (locality, and no allocator call per
+  // node); freed nodes are destroyed and their storage reused.
+  // Chunks double in size (16 .. 4096 nodes), so small trees stay small.
+  struct alignas(Node) NodeStorage { unsigned char bytes[sizeof(Node)]; };
+  std::vector<std::unique_ptr<NodeStorage[]>> chunks_;
+  size_t chunk_size_ = 0;   // capacity of the last chunk
+  size_t chunk_used_ = 0;   // nodes handed out from the last chunk
+  size_t chunk_total_ = 0;  // capacity of all chunks
+  std::vector<Node*> free_nodes_;
 
   int32_t max_depth_;
   Node* root_;

@@ -99,7 +99,7 @@ class SuffixSpeculator:
     def extend(self, seq_id: int, token_ids: TokensLike) -> None:
         """Appends tokens the model generated for the current response. Mutates."""
         traj = self._traj(seq_id)
-        traj.tree.append(_LOCAL_ID, as_tokens(token_ids))
+        traj.tree.native.append(_LOCAL_ID, as_tokens(token_ids))
 
     def new_turn(self, seq_id: int, new_prompt_ids: TokensLike) -> None:
         """Ends the current response and appends the next turn's new prompt tokens.
@@ -110,8 +110,8 @@ class SuffixSpeculator:
         traj = self._traj(seq_id)
         tokens = as_tokens(new_prompt_ids, "prompt ids")
         self._commit(traj)
-        traj.tree.append(_LOCAL_ID, tokens)
-        traj.response_start = traj.tree.seq_len(_LOCAL_ID)
+        traj.tree.native.append(_LOCAL_ID, tokens)
+        traj.response_start = traj.tree.num_tokens
 
     def finish(self, seq_id: int, commit: bool = True) -> None:
         """Ends a trajectory; its last response enters the history if ``commit``. Mutates."""
@@ -172,7 +172,7 @@ class SuffixSpeculator:
         return len(self._entries)
 
     def _commit(self, traj: _Trajectory) -> None:
-        end = traj.tree.seq_len(_LOCAL_ID)
+        end = traj.tree.num_tokens
         if end == traj.response_start:
             return
         start = max(0, traj.response_start - self.config.lead_in)
@@ -318,10 +318,12 @@ class SuffixSpeculator:
             raise RuntimeError("group histories out of step with the entry list")
 
     def _traj(self, seq_id: object) -> _Trajectory:
-        sid = as_id(seq_id)
-        traj = self._trajs.get(sid)
+        traj = self._trajs.get(seq_id) if type(seq_id) is int else None  # type: ignore[arg-type]
         if traj is None:
-            raise ValueError(f"unknown sequence id {sid}")
+            sid = as_id(seq_id)
+            traj = self._trajs.get(sid)
+            if traj is None:
+                raise ValueError(f"unknown sequence id {sid}")
         return traj
 
 

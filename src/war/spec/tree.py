@@ -54,35 +54,38 @@ SOURCE_NAMES = ("none", "group", "local", "global")
 
 
 def as_tokens(tokens: TokensLike, what: str = "token ids") -> TokenArray:
-    """Validates token ids (integers in [0, 2**31 - 1]) and returns them as int32."""
+    """Validates token ids (integers in [0, 2**31 - 1]) and returns them as int32.
+
+    Accepts a 1-D array of an integer dtype or a sequence of Python/NumPy ints.
+    """
     if isinstance(tokens, np.ndarray):
         arr = tokens
-    elif isinstance(tokens, (str, bytes)):
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{what} must have an integer dtype, got {arr.dtype}")
+        if arr.ndim != 1:
+            raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi > INT32_MAX:
+                _out_of_range(what, lo if lo < 0 else hi)
+        return np.ascontiguousarray(arr, dtype=np.int32)
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
         raise ValueError(f"{what} must be a sequence of ints, got {type(tokens).__name__}")
-    else:
-        try:
-            seq = list(tokens)
-        except TypeError:
-            raise ValueError(
-                f"{what} must be a sequence of ints, got {type(tokens).__name__}"
-            ) from None
-        if not seq:
-            return np.empty(0, dtype=np.int32)
-        for t in seq:
-            if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)):
-                raise ValueError(f"{what} must be ints, got {t!r} ({type(t).__name__})")
-        if any(int(t) < 0 or int(t) > INT32_MAX for t in seq):
-            bad = next(int(t) for t in seq if int(t) < 0 or int(t) > INT32_MAX)
-            raise ValueError(f"{what}: token id {bad} is out of range [0, {INT32_MAX}]")
-        return np.asarray(seq, dtype=np.int32)
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{what} must have an integer dtype, got {arr.dtype}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > INT32_MAX):
-        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-        raise ValueError(f"{what}: token id {bad} is out of range [0, {INT32_MAX}]")
-    return np.ascontiguousarray(arr, dtype=np.int32)
+    if not tokens:
+        return np.empty(0, dtype=np.int32)
+    for t in tokens:
+        if type(t) is not int and (
+            not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_))
+        ):
+            raise ValueError(f"{what} must be ints, got {t!r} ({type(t).__name__})")
+    lo, hi = min(tokens), max(tokens)
+    if lo < 0 or hi > INT32_MAX:
+        _out_of_range(what, int(lo if lo < 0 else hi))
+    return np.asarray(tokens, dtype=np.int32)
+
+
+def _out_of_range(what: str, token: int) -> None:
+    raise ValueError(f"{what}: token id {token} is out of range [0, {INT32_MAX}]")
 
 
 def as_id(seq_id: object, what: str = "sequence id") -> int:
