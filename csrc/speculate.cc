@@ -30,11 +30,11 @@ void SuffixTree::draft_path(Position at, int32_t depth, int32_t limit, const Spe
       ++off;
     } else {
       if (cur->children.empty()) break;
-      Node* c = cur->children[0];
-      token = c->token;
+      const Child& c = cur->children[0];
+      token = c.token;
       prob =
-          static_cast<double>(c->count) / (static_cast<double>(cur->child_sum) + p.alpha[depth]);
-      cur = c;
+          static_cast<double>(c.count) / (static_cast<double>(cur->child_sum) + p.alpha[depth]);
+      cur = c.node;
       off = 1;
     }
     ++depth;
@@ -87,11 +87,11 @@ void SuffixTree::draft_tree(Position at, int32_t depth, int32_t limit, const Spe
       const double pc = p_here * prob;
       if (pc >= p.min_prob) heap.push({pc, order++, cur, off + 1, parent, d + 1, p_here});
     } else if (!cur->children.empty()) {
-      Node* c = cur->children[0];
+      const Child& c = cur->children[0];
       const double prob =
-          static_cast<double>(c->count) / (static_cast<double>(cur->child_sum) + p.alpha[d]);
+          static_cast<double>(c.count) / (static_cast<double>(cur->child_sum) + p.alpha[d]);
       const double pc = p_here * prob;
-      if (pc >= p.min_prob) heap.push({pc, order++, c, 1, parent, d + 1, p_here});
+      if (pc >= p.min_prob) heap.push({pc, order++, c.node, 1, parent, d + 1, p_here});
     }
   };
   push_first(at.node, at.offset, depth, 1.0, -1);
@@ -106,11 +106,11 @@ void SuffixTree::draft_tree(Position at, int32_t depth, int32_t limit, const Spe
     if (x.off == 1) {
       const Node* u = x.node->parent;
       if (x.node->pos + 1 < u->children.size()) {
-        Node* s = u->children[x.node->pos + 1];
-        const double prob = static_cast<double>(s->count) /
+        const Child& s = u->children[x.node->pos + 1];
+        const double prob = static_cast<double>(s.count) /
                             (static_cast<double>(u->child_sum) + p.alpha[x.depth - 1]);
         const double pc = x.p_cum_up * prob;
-        if (pc >= p.min_prob) heap.push({pc, order++, s, 1, x.parent, x.depth, x.p_cum_up});
+        if (pc >= p.min_prob) heap.push({pc, order++, s.node, 1, x.parent, x.depth, x.p_cum_up});
       }
     }
     push_first(x.node, x.off, x.depth, x.p_cum, idx);

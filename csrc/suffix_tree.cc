@@ -30,7 +30,7 @@ SuffixTree::~SuffixTree() {
   while (!stack.empty()) {
     Node* n = stack.back();
     stack.pop_back();
-    for (Node* c : n->children) stack.push_back(c);
+    for (const Child& c : n->children) stack.push_back(c.node);
     n->~Node();
   }
 }
@@ -78,6 +78,7 @@ void SuffixTree::release_slot_ref(uint32_t slot) {
   --s.refs;
   if (s.refs == 0 && !s.alive && slot != removing_slot_) {
     std::vector<int32_t>().swap(s.tokens);
+    slot_data_[slot] = nullptr;
     s.id = -1;
     free_slots_.push_back(slot);
   }
@@ -88,34 +89,34 @@ Node* SuffixTree::find_child(const Node* n, int32_t token) const {
     auto it = n->index->find(token);
     return it == n->index->end() ? nullptr : it->second;
   }
-  for (Node* c : n->children)
-    if (c->token == token) return c;
+  for (const Child& c : n->children)
+    if (c.token == token) return c.node;
   return nullptr;
 }
 
 void SuffixTree::add_child(Node* parent, Node* child) {
   child->parent = parent;
   child->pos = static_cast<uint32_t>(parent->children.size());
-  parent->children.push_back(child);
+  parent->children.push_back(Child{child->token, child->count, child});
   if (parent->index) {
     parent->index->emplace(child->token, child);
   } else if (parent->children.size() > kIndexThreshold) {
     parent->index = std::make_unique<std::unordered_map<int32_t, Node*>>();
-    for (Node* c : parent->children) parent->index->emplace(c->token, c);
+    for (const Child& c : parent->children) parent->index->emplace(c.token, c.node);
   }
 }
 
 void SuffixTree::remove_last_child(Node* parent) {
-  Node* c = parent->children.back();
+  const int32_t token = parent->children.back().token;
   parent->children.pop_back();
-  if (parent->index) parent->index->erase(c->token);
+  if (parent->index) parent->index->erase(token);
 }
 
 // `new_child` takes `old_child`'s place; both have the same first token.
 void SuffixTree::replace_child(Node* parent, Node* old_child, Node* new_child) {
   new_child->parent = parent;
   new_child->pos = old_child->pos;
-  parent->children[old_child->pos] = new_child;
+  parent->children[old_child->pos] = Child{new_child->token, new_child->count, new_child};
   if (parent->index) (*parent->index)[new_child->token] = new_child;
 }
 
@@ -126,15 +127,16 @@ void SuffixTree::increment(Node* c) {
   size_t lo = 0, hi = c->pos;
   while (lo < hi) {
     size_t mid = (lo + hi) / 2;
-    if (sib[mid]->count > k) lo = mid + 1; else hi = mid;
+    if (sib[mid].count > k) lo = mid + 1; else hi = mid;
   }
   if (lo != c->pos) {
-    Node* other = sib[lo];
+    Node* other = sib[lo].node;
     std::swap(sib[lo], sib[c->pos]);
     other->pos = c->pos;
     c->pos = static_cast<uint32_t>(lo);
   }
   ++c->count;
+  sib[c->pos].count = c->count;
   ++c->parent->child_sum;
 }
 
@@ -146,15 +148,16 @@ void SuffixTree::decrement(Node* c) {
   size_t lo = c->pos, hi = sib.size() - 1;
   while (lo < hi) {
     size_t mid = (lo + hi + 1) / 2;
-    if (sib[mid]->count >= k) lo = mid; else hi = mid - 1;
+    if (sib[mid].count >= k) lo = mid; else hi = mid - 1;
   }
   if (lo != c->pos) {
-    Node* other = sib[lo];
+    Node* other = sib[lo].node;
     std::swap(sib[lo], sib[c->pos]);
     other->pos = c->pos;
     c->pos = static_cast<uint32_t>(lo);
   }
   --c->count;
+  sib[c->pos].count = c->count;
   --parent->child_sum;
   if (c->count == 0) remove_last_child(parent);
 }
@@ -186,12 +189,14 @@ uint32_t SuffixTree::slot_for_append(int64_t seq_id) {
   } else {
     slot = static_cast<uint32_t>(slots_.size());
     slots_.emplace_back();
+    slot_data_.push_back(nullptr);
   }
   Slot& s = slots_[slot];
   s.id = seq_id;
   s.alive = true;
   s.refs = 0;
   s.tokens.clear();
+  slot_data_[slot] = s.tokens.data();
   s.active.assign(static_cast<size_t>(max_depth_), nullptr);
   s.active[0] = root_;
   ids_.emplace(seq_id, slot);
@@ -234,7 +239,7 @@ Node* SuffixTree::extend(uint32_t slot, Node* a, int32_t /*depth*/, int32_t toke
     c->token = label(c)[0];
     c->parent = top;
     c->pos = 0;
-    top->children.push_back(c);
+    top->children.push_back(Child{c->token, c->count, c});
     c = top;
   }
   increment(c);
@@ -247,6 +252,7 @@ void SuffixTree::append_token(uint32_t slot, int32_t token) {
   Slot& s = slots_[slot];
   const int32_t n = static_cast<int32_t>(s.tokens.size());
   s.tokens.push_back(token);
+  slot_data_[slot] = s.tokens.data();
   const int32_t dmax = std::min(n, max_depth_ - 1);
   for (int32_t d = dmax; d >= 0; --d) {
     Node* c = extend(slot, slots_[slot].active[d], d, token, n);
@@ -262,6 +268,7 @@ void SuffixTree::append(int64_t seq_id, const int32_t* tokens, size_t n) {
   if (slots_[slot].tokens.size() + n > static_cast<size_t>(std::numeric_limits<int32_t>::max() / 2))
     throw std::invalid_argument("sequence too long");
   slots_[slot].tokens.reserve(slots_[slot].tokens.size() + n);
+  slot_data_[slot] = slots_[slot].tokens.data();
   for (size_t i = 0; i < n; ++i) append_token(slot, tokens[i]);
 }
 
@@ -324,20 +331,22 @@ void SuffixTree::remove(int64_t seq_id) {
       }
       if (!slots_[c->ref_slot].alive) {
         // Re-point at a live occurrence of the same path, found through a child.
-        for (Node* ch : c->children) {
+        for (const Child& e : c->children) {
+          const Node* ch = e.node;
           if (slots_[ch->ref_slot].alive) {
             set_ref(c, ch->ref_slot, ch->ref_end - ch->length);
             break;
           }
         }
       }
-      if (c->children.size() == 1 && c->children[0]->count == c->count)
-        absorb_parent(c->children[0]);
+      if (c->children.size() == 1 && c->children[0].count == c->count)
+        absorb_parent(c->children[0].node);
     }
   }
   removing_slot_ = kNoSlot;
   if (s.refs == 0) {
     std::vector<int32_t>().swap(s.tokens);
+    slot_data_[slot] = nullptr;
     s.id = -1;
     free_slots_.push_back(slot);
   }
@@ -392,7 +401,7 @@ std::vector<std::pair<int32_t, int32_t>> SuffixTree::children(const int32_t* pat
   if (p.offset < p.node->length) {
     out.emplace_back(label(p.node)[p.offset], p.node->count);
   } else {
-    for (const Node* c : p.node->children) out.emplace_back(c->token, c->count);
+    for (const Child& c : p.node->children) out.emplace_back(c.token, c.count);
   }
   return out;
 }
@@ -415,15 +424,16 @@ size_t SuffixTree::memory_bytes() const {
   while (!stack.empty()) {
     const Node* n = stack.back();
     stack.pop_back();
-    bytes += n->children.capacity() * sizeof(Node*);
+    bytes += n->children.capacity() * sizeof(Child);
     if (n->index)
       bytes += sizeof(*n->index) + n->index->bucket_count() * sizeof(void*) +
                n->index->size() * (sizeof(std::pair<const int32_t, Node*>) + 2 * sizeof(void*));
-    for (const Node* c : n->children) stack.push_back(c);
+    for (const Child& c : n->children) stack.push_back(c.node);
   }
   bytes += chunk_total_ * sizeof(Node) + chunks_.capacity() * sizeof(void*) +
            free_nodes_.capacity() * sizeof(Node*);
-  bytes += slots_.capacity() * sizeof(Slot) + free_slots_.capacity() * sizeof(uint32_t);
+  bytes += slots_.capacity() * sizeof(Slot) + free_slots_.capacity() * sizeof(uint32_t) +
+           slot_data_.capacity() * sizeof(const int32_t*);
   for (const Slot& s : slots_)
     bytes += s.tokens.capacity() * sizeof(int32_t) + s.active.capacity() * sizeof(Node*);
   bytes += ids_.bucket_count() * sizeof(void*) +
@@ -452,12 +462,14 @@ void SuffixTree::check_node(const Node* n, std::vector<int32_t>* path, size_t* n
   }
   int64_t child_sum = 0;
   for (size_t i = 0; i < n->children.size(); ++i) {
-    const Node* c = n->children[i];
+    const Node* c = n->children[i].node;
     if (c->parent != n) fail("bad parent pointer");
     if (c->pos != i) fail("bad child position");
-    if (i > 0 && n->children[i - 1]->count < c->count) fail("children not sorted by count");
+    if (n->children[i].token != c->token || n->children[i].count != c->count)
+      fail("child list entry out of date");
+    if (i > 0 && n->children[i - 1].count < c->count) fail("children not sorted by count");
     for (size_t j = 0; j < i; ++j)
-      if (n->children[j]->token == c->token) fail("duplicate child token");
+      if (n->children[j].token == c->token) fail("duplicate child token");
     if (find_child(n, c->token) != c) fail("child index out of date");
     child_sum += c->count;
   }
@@ -465,10 +477,11 @@ void SuffixTree::check_node(const Node* n, std::vector<int32_t>* path, size_t* n
   if (child_sum != n->child_sum) fail("child_sum out of date");
   if (n != root_) {
     if (child_sum > n->count) fail("children count more than their parent");
-    if (n->children.size() == 1 && n->children[0]->count == n->count)
+    if (n->children.size() == 1 && n->children[0].count == n->count)
       fail("uncompressed chain (parent and only child with equal count)");
   }
-  for (const Node* c : n->children) {
+  for (const Child& e : n->children) {
+    const Node* c = e.node;
     const int32_t* lab = label(c);
     path->insert(path->end(), lab, lab + c->length);
     check_node(c, path, num_nodes, slot_refs);
@@ -534,7 +547,7 @@ void SuffixTree::check_integrity() const {
       if (want != n->count)
         fail("count " + std::to_string(n->count) + " != recount " + std::to_string(want));
     }
-    for (const Node* c : n->children) stack.push_back(c);
+    for (const Child& c : n->children) stack.push_back(c.node);
   }
 }
 
