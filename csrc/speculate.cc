@@ -133,13 +133,13 @@ void reset(DraftResult* d) {
 }  // namespace
 
 void SuffixTree::speculate_into(const int32_t* ctx, size_t n, const SpecParams& p,
-                                DraftResult* best) const {
+                                DraftResult* best, double bar) const {
   thread_local DraftResult cand;  // reused: no allocation per match length
   reset(best);
   const int32_t max_k = match_len(ctx, n);
   for (int32_t k = max_k; k >= 1; --k) {
     const int32_t limit = limit_for(k, p);
-    if (static_cast<double>(limit) <= best->score) break;
+    if (static_cast<double>(limit) <= std::max(best->score, bar)) break;
     Position at;
     walk(ctx + n - k, static_cast<size_t>(k), &at);
     reset(&cand);
@@ -151,14 +151,14 @@ void SuffixTree::speculate_into(const int32_t* ctx, size_t n, const SpecParams& 
   }
 }
 
-void SuffixTree::speculate_self_into(int64_t seq_id, const SpecParams& p,
-                                     DraftResult* best) const {
+void SuffixTree::speculate_self_into(int64_t seq_id, const SpecParams& p, DraftResult* best,
+                                     double bar) const {
   auto it = ids_.find(seq_id);
   if (it == ids_.end())
     throw std::invalid_argument("unknown sequence id " + std::to_string(seq_id));
   const Slot& s = slots_[it->second];
   if (s.active.empty()) {
-    speculate_into(s.tokens.data(), s.tokens.size(), p, best);
+    speculate_into(s.tokens.data(), s.tokens.size(), p, best, bar);
     return;
   }
   thread_local DraftResult cand;
@@ -174,7 +174,7 @@ void SuffixTree::speculate_self_into(int64_t seq_id, const SpecParams& p,
   }
   for (int32_t k = lo; k >= 1; --k) {
     const int32_t limit = limit_for(k, p);
-    if (static_cast<double>(limit) <= best->score) break;
+    if (static_cast<double>(limit) <= std::max(best->score, bar)) break;
     Node* node = s.active[k];
     if (node->children.empty()) continue;  // every occurrence ends here
     reset(&cand);
@@ -221,14 +221,16 @@ void propose_batch(const std::vector<BatchItem>& items, const SuffixTree* global
           source = src;
         }
       };
+      // A source wins only with a weighted score above the best so far: that
+      // bar lets each source stop trying match lengths early (same result).
       if (group_weight > 0.0 && item.group->num_seqs() > 0) {
-        item.group->speculate_into(ctx, ctx_len, p[0], &cand);
+        item.group->speculate_into(ctx, ctx_len, p[0], &cand, 0.0);
         consider(group_weight, Source::kGroup);
       }
-      item.local->speculate_self_into(item.seq_id, p[1], &cand);
+      item.local->speculate_self_into(item.seq_id, p[1], &cand, best_weighted);
       consider(1.0, Source::kLocal);
       if (global != nullptr && global->num_seqs() > 0) {
-        global->speculate_into(ctx, ctx_len, p[2], &cand);
+        global->speculate_into(ctx, ctx_len, p[2], &cand, best_weighted);
         consider(1.0, Source::kGlobal);
       }
     }

@@ -407,10 +407,20 @@ std::vector<std::pair<int32_t, int32_t>> SuffixTree::children(const int32_t* pat
 }
 
 int32_t SuffixTree::match_len(const int32_t* ctx, size_t n) const {
-  // Existence is monotone in the match length: binary search it.
+  // Existence is monotone in the match length. Matches are usually short:
+  // gallop up from 1, then binary search the last step.
+  const int32_t cap =
+      static_cast<int32_t>(std::min<size_t>(n, static_cast<size_t>(max_depth_)));
   int32_t lo = 0;
-  int32_t hi = static_cast<int32_t>(std::min<size_t>(n, static_cast<size_t>(max_depth_)));
+  int32_t hi = cap;
   Position p;
+  for (int32_t probe = 1; probe <= cap; probe *= 2) {
+    if (!walk(ctx + n - probe, static_cast<size_t>(probe), &p)) {
+      hi = probe - 1;
+      break;
+    }
+    lo = probe;
+  }
   while (lo < hi) {
     const int32_t mid = (lo + hi + 1) / 2;
     if (walk(ctx + n - mid, static_cast<size_t>(mid), &p)) lo = mid; else hi = mid - 1;

@@ -122,8 +122,12 @@ class SuffixTree {
   // suffixes instead of walking from the root.
   DraftResult speculate_self(int64_t seq_id, const SpecParams& p) const;
   // In-place forms for hot loops: `out` is overwritten, its buffers reused.
-  void speculate_into(const int32_t* ctx, size_t n, const SpecParams& p, DraftResult* out) const;
-  void speculate_self_into(int64_t seq_id, const SpecParams& p, DraftResult* out) const;
+  // Match lengths that cannot beat a score of `bar` are not tried: the result is
+  // the same whenever the best draft scores above `bar`.
+  void speculate_into(const int32_t* ctx, size_t n, const SpecParams& p, DraftResult* out,
+                      double bar = 0.0) const;
+  void speculate_self_into(int64_t seq_id, const SpecParams& p, DraftResult* out,
+                           double bar = 0.0) const;
 
   // Throws std::logic_error describing the first broken invariant.
   void check_integrity() const;
