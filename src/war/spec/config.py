@@ -15,6 +15,9 @@ from dataclasses import dataclass
 class SpecConfig:
     """Suffix speculation settings; validated on construction.
 
+    The defaults are tuned for chain drafts on real agent traces (see
+    ``benchmarks/spec``); ``SpecConfig.tree_preset()`` is the tuned tree setting.
+
     * ``max_depth``: longest substring the trees count (and longest match).
     * ``max_spec_tokens``: most draft tokens per sequence and step; a caller's
       budget can only lower it.
@@ -43,15 +46,15 @@ class SpecConfig:
     """
 
     max_depth: int = 64
-    max_spec_tokens: int = 16
-    factor: float = 1.0
+    max_spec_tokens: int = 32
+    factor: float = 2.0
     offset: float = 0.0
-    min_prob: float = 0.1
+    min_prob: float = 0.25
     tree: bool = False
-    alpha: float = 0.0
-    alpha_decay: float = 1.0
-    local_alpha: float = 0.0
-    global_alpha: float = 0.0
+    alpha: float = 1.2
+    alpha_decay: float = 0.85
+    local_alpha: float = 4.0
+    global_alpha: float = 2.5
     group_weight: float = 1.0
     use_global: bool = True
     lead_in: int = 8
@@ -78,6 +81,17 @@ class SpecConfig:
             _check_int("history_window_steps", self.history_window_steps, 1)
         if self.history_token_budget is not None:
             _check_int("history_token_budget", self.history_token_budget, 0)
+
+    @classmethod
+    def tree_preset(cls, **overrides: object) -> SpecConfig:
+        """Tuned settings for token-tree drafts (a tree verifies more tokens per
+        step, so it drafts further and trusts rare continuations more)."""
+        values: dict[str, object] = dict(
+            tree=True, factor=2.0, max_spec_tokens=32, min_prob=0.1, alpha=0.3,
+            alpha_decay=0.8, local_alpha=1.0, global_alpha=0.5,
+        )
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
 
     def alpha_table(self, alpha: float | None = None) -> tuple[float, ...]:
         """Smoothing per trie depth ``0..max_depth``: ``alpha * alpha_decay**depth``

@@ -1,0 +1,312 @@
+"""The speculator API: trajectories, grouped history, memory bounds, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from war.spec import SpecConfig, SuffixSpeculator
+from war.types import Draft
+
+# A config that drafts whatever was seen once (no smoothing, no probability floor),
+# so tests can predict drafts exactly.
+EXACT = SpecConfig(
+    max_depth=16, max_spec_tokens=8, factor=8.0, min_prob=0.0, alpha=0.0, local_alpha=0.0,
+    global_alpha=0.0, alpha_decay=1.0, lead_in=2,
+)
+
+
+def spec(**overrides: object) -> SuffixSpeculator:
+    return SuffixSpeculator(dataclasses.replace(EXACT, **overrides))  # type: ignore[arg-type]
+
+
+def snapshot(s: SuffixSpeculator) -> tuple[int, int, int, int]:
+    return (s.num_active, s.history_tokens, s.num_history_entries, s.memory_bytes())
+
+
+# ------------------------------------------------------------------ lifecycle
+
+
+def test_default_config_is_valid_and_drafts() -> None:
+    s = SuffixSpeculator()
+    s.start(1, [5, 6, 7, 8, 9, 5, 6, 7], group_id="t")
+    (d,) = s.propose([1])
+    assert isinstance(d, Draft)
+    assert d.token_ids[:1] == (8,)
+    assert d.source == "local"
+
+
+def test_multi_turn_appends_only_new_tokens() -> None:
+    s = spec()
+    s.start(1, [1, 2, 3], group_id="a")
+    s.extend(1, [4, 5])
+    s.new_turn(1, [6, 7])
+    s.extend(1, [8])
+    assert s.context_len(1) == 8
+    # The trajectory's own tree holds each token once: nothing was re-inserted.
+    assert s.num_cached_tokens == 8 + s.history_tokens
+    # The first response (with its 2-token lead-in) went to the history.
+    assert s.num_history_entries == 1
+    assert s.history_tokens == 2 + 2
+
+
+def test_group_history_is_preferred_and_scoped() -> None:
+    s = spec()
+    # Task A answered "x y z", task B "p q r" after the same context.
+    for tid, group, answer in ((1, "A", [10, 11, 12]), (2, "B", [20, 21, 22])):
+        s.start(tid, [1, 2, 3], group_id=group)
+        s.extend(tid, answer)
+        s.finish(tid)
+    s.start(3, [1, 2, 3], group_id="A")
+    s.start(4, [1, 2, 3], group_id="B")
+    s.start(5, [1, 2, 3], group_id="C")
+    da, db, dc = s.propose([3, 4, 5])
+    assert da.source == "group" and da.token_ids == (10, 11, 12)
+    assert db.source == "group" and db.token_ids == (20, 21, 22)
+    # A group without history falls back to everyone's history.
+    assert dc.source == "global" and dc.token_ids[0] in (10, 20)
+
+
+def test_groups_ignored_with_zero_weight() -> None:
+    s = spec(group_weight=0.0)
+    s.start(1, [1, 2, 3], group_id="A")
+    s.extend(1, [10, 11])
+    s.finish(1)
+    s.start(2, [1, 2, 3], group_id="A")
+    (d,) = s.propose([2])
+    assert d.source == "global" and d.token_ids == (10, 11)
+
+
+def test_without_global_history() -> None:
+    s = spec(use_global=False)
+    s.start(1, [1, 2, 3], group_id="A")
+    s.extend(1, [10, 11])
+    s.finish(1)
+    s.start(2, [1, 2, 3], group_id="B")
+    (d,) = s.propose([2])
+    assert d == Draft((), (), (), 0.0, "none", 0)
+    s.check_integrity()
+
+
+def test_ungrouped_trajectories_share_global_history() -> None:
+    s = spec()
+    s.start(1, [1, 2, 3])
+    s.extend(1, [10, 11])
+    s.finish(1)
+    s.start(2, [1, 2, 3])
+    (d,) = s.propose([2])
+    assert d.source == "global" and d.token_ids == (10, 11)
+
+
+def test_finish_without_commit_leaves_history_alone() -> None:
+    s = spec()
+    s.start(1, [1, 2, 3], group_id="A")
+    s.extend(1, [10, 11])
+    s.finish(1, commit=False)
+    assert s.num_history_entries == 0 and s.num_active == 0
+    assert 1 not in s
+
+
+def test_add_history_from_elsewhere() -> None:
+    s = spec()
+    s.add_history([1, 2, 3, 40, 41], group_id="A")
+    s.add_history([], group_id="A")  # nothing to add
+    assert s.num_history_entries == 1
+    s.start(1, [9, 2, 3], group_id="A")
+    (d,) = s.propose([1])
+    assert d.token_ids == (40, 41) and d.source == "group"
+
+
+# ------------------------------------------------------------------ drafting
+
+
+def test_budgets_cap_and_zero() -> None:
+    s = spec()
+    s.start(1, [1, 2, 3, 4, 5, 6, 1, 2], group_id="A")
+    s.start(2, [1, 2, 3, 4, 5, 6, 1, 2], group_id="A")
+    full, capped = s.propose([1, 2], budgets=[8, 2])
+    assert full.token_ids == (3, 4, 5, 6, 1, 2)
+    assert capped.token_ids == (3, 4)
+    (none,) = s.propose([1], budgets=0)
+    assert len(none) == 0 and none.source == "none"
+    (default,) = s.propose([1])
+    assert default == full
+
+
+def test_batched_equals_single_and_is_deterministic() -> None:
+    rng = np.random.default_rng(0)
+
+    def build() -> SuffixSpeculator:
+        s = SuffixSpeculator(SpecConfig(max_depth=12))
+        for tid in range(6):
+            s.start(tid, rng_tokens[tid], group_id=tid % 2)
+        return s
+
+    rng_tokens = [rng.integers(0, 6, size=40).astype(np.int32) for _ in range(6)]
+    a, b = build(), build()
+    ids = list(range(6))
+    batch = a.propose(ids)
+    assert batch == b.propose(ids)
+    assert batch == [a.propose([i])[0] for i in ids]
+    for d in batch:
+        assert all(p < i for i, p in enumerate(d.parents))
+
+
+def test_tree_drafts_branch() -> None:
+    s = spec(tree=True, max_spec_tokens=4)
+    s.start(1, [1, 2, 7, 1, 2, 8, 1, 2, 7, 9, 1, 2], group_id=None)
+    (d,) = s.propose([1])
+    # After "1 2": 7 twice, 8 once: both branches are proposed.
+    assert d.token_ids[0] == 7 and 8 in d.token_ids
+    assert d.parents[d.token_ids.index(8)] == -1
+    assert not d.is_chain
+
+
+# ------------------------------------------------------------------ memory bounds
+
+
+def test_history_window_over_rl_steps() -> None:
+    s = spec(history_window_steps=2)
+    for step in range(4):
+        s.observe_step(step)
+        s.start(step, [1, 2, 3], group_id="A")
+        s.extend(step, [50 + step, 60 + step])
+        s.finish(step)
+    # Steps 2 and 3 remain (window of 2 steps).
+    assert s.num_history_entries == 2
+    s.observe_step(5)
+    assert s.num_history_entries == 0 and s.history_tokens == 0
+    s.check_integrity()
+    with pytest.raises(ValueError, match="backwards"):
+        s.observe_step(4)
+
+
+def test_token_budget_bounds_memory() -> None:
+    rng = np.random.default_rng(1)
+    bounded = spec(history_token_budget=200, max_depth=32)
+    unbounded = spec(max_depth=32)
+    peak = 0
+    for tid in range(60):
+        prompt = rng.integers(0, 50, size=20)
+        answer = rng.integers(0, 50, size=30)
+        for s in (bounded, unbounded):
+            s.start(tid, prompt, group_id=tid % 3)
+            s.extend(tid, answer)
+            s.finish(tid)
+        assert bounded.history_tokens <= 200
+        peak = max(peak, bounded.memory_bytes())
+    bounded.check_integrity()
+    assert unbounded.history_tokens == 60 * 32
+    # Memory follows the budget, not the amount of traffic.
+    assert peak < unbounded.memory_bytes() / 3
+    # Oldest entries went first: the newest response is still drafted.
+    bounded.start(999, [*prompt[-2:]], group_id=59 % 3)
+    (d,) = bounded.propose([999])
+    assert d.token_ids[:3] == tuple(int(t) for t in answer[:3])
+
+
+def test_budget_smaller_than_one_entry_keeps_history_empty() -> None:
+    s = spec(history_token_budget=3)
+    s.start(1, [1, 2], group_id="A")
+    s.extend(1, [3, 4, 5, 6])
+    s.finish(1)
+    assert s.history_tokens == 0 and s.num_history_entries == 0
+    s.check_integrity()
+
+
+# ------------------------------------------------------------------ bad input
+
+
+BAD_TOKENS = [
+    np.array([1.0, 2.0]),
+    np.array([True, False]),
+    np.array([[1, 2]]),
+    np.array([-1, 2]),
+    np.array([2**31], dtype=np.int64),
+    [1, 2.5],
+    [1, True],
+    [1, -3],
+    [1, 2**40],
+    "123",
+    3,
+    [[1, 2]],
+]
+
+
+@pytest.mark.parametrize("bad", BAD_TOKENS, ids=repr)
+def test_bad_tokens_change_nothing(bad: object) -> None:
+    s = spec()
+    s.start(1, [1, 2, 3], group_id="A")
+    s.extend(1, [4])
+    before = snapshot(s), s.context_len(1)
+    for call in (
+        lambda: s.extend(1, bad),  # type: ignore[arg-type]
+        lambda: s.new_turn(1, bad),  # type: ignore[arg-type]
+        lambda: s.start(2, bad),  # type: ignore[arg-type]
+        lambda: s.add_history(bad),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ValueError):
+            call()
+        assert (snapshot(s), s.context_len(1)) == before
+    s.check_integrity()
+
+
+def test_bad_ids_and_budgets_change_nothing() -> None:
+    s = spec()
+    s.start(1, [1, 2, 3], group_id="A")
+    before = snapshot(s)
+    cases = [
+        (lambda: s.start(1, [1]), "already started"),
+        (lambda: s.extend(7, [1]), "unknown sequence id 7"),
+        (lambda: s.new_turn(7, [1]), "unknown sequence id 7"),
+        (lambda: s.finish(7), "unknown sequence id 7"),
+        (lambda: s.propose([1, 7]), "unknown sequence id 7"),
+        (lambda: s.propose([1, 1]), "twice"),
+        (lambda: s.propose([1], budgets=-1), "budget"),
+        (lambda: s.propose([1], budgets=[1, 2]), "budgets for 1"),
+        (lambda: s.propose([1], budgets=[1.5]), "budgets must be ints"),
+        (lambda: s.start(True, [1]), "sequence id"),
+        (lambda: s.start(2**64, [1]), "int64"),
+        (lambda: s.start(2, [1], group_id=["unhashable"]), "hashable"),
+        (lambda: s.observe_step(-1), "backwards"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert snapshot(s) == before
+    assert s.context_len(1) == 3
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_depth", 0),
+        ("max_spec_tokens", -1),
+        ("factor", -1.0),
+        ("offset", float("nan")),
+        ("min_prob", 1.5),
+        ("alpha", -0.1),
+        ("alpha_decay", 1.5),
+        ("local_alpha", float("inf")),
+        ("global_alpha", "1"),
+        ("group_weight", -1.0),
+        ("tree", 1),
+        ("use_global", "yes"),
+        ("lead_in", -1),
+        ("history_window_steps", 0),
+        ("history_token_budget", -5),
+        ("max_depth", 2**40),
+    ],
+)
+def test_config_rejects_bad_values(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SpecConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_alpha_table_decays_with_depth() -> None:
+    c = SpecConfig(max_depth=3, alpha=2.0, alpha_decay=0.5, local_alpha=4.0)
+    assert c.alpha_table() == (2.0, 1.0, 0.5, 0.25)
+    assert c.alpha_table(c.local_alpha) == (4.0, 2.0, 1.0, 0.5)
+    assert SpecConfig.tree_preset(min_prob=0.2).tree

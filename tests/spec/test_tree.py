@@ -1,0 +1,126 @@
+"""The native tree's Python wrapper: checks, memory accounting, the GIL."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from war.spec import SpecConfig, SuffixSpeculator, SuffixTree
+from war.spec.tree import alpha_table, as_tokens
+
+
+def test_counts_children_and_match() -> None:
+    t = SuffixTree(8)
+    t.append(0, [1, 2, 3, 1, 2, 4])
+    assert t.count([1, 2]) == 2
+    assert t.count([]) == 0 and t.count([9]) == 0
+    assert t.children([1, 2]) == [(3, 1), (4, 1)]
+    assert t.match_len([7, 1, 2]) == 2
+    assert t.sequence(0) == [1, 2, 3, 1, 2, 4]
+    shallow = SuffixTree(4)
+    shallow.append(0, [1, 2, 3, 1, 2, 4])
+    # Depth 4 caps a draft after a 2-token match at 2 tokens.
+    assert list(shallow.speculate([1, 2], max_tokens=4, factor=2.0, min_prob=0.0).token_ids) == [3, 1]
+    d = t.speculate([5, 1, 2], max_tokens=4, factor=2.0, min_prob=0.0)
+    assert list(d.token_ids) == [3, 1, 2, 4] and d.match_len == 2
+    assert d.score == pytest.approx(2.0)
+    t.check_integrity()
+
+
+def test_default_arguments_of_speculate() -> None:
+    t = SuffixTree(8)
+    t.append(0, [1, 2, 3, 4, 1, 2])
+    d = t.speculate([1, 2])  # max_tokens 16, factor 1, offset 0, min_prob 0.1, chain, alpha 0
+    assert list(d.token_ids) == [3, 4]  # factor 1: a 2-token match drafts 2 tokens
+    assert list(d.parents) == [-1, 0]
+
+
+def test_seal_remove_and_memory_returns() -> None:
+    t = SuffixTree(8)
+    empty = t.memory_bytes()
+    t.append(1, np.arange(100, dtype=np.int64) % 7)
+    t.seal(1)
+    with pytest.raises(ValueError, match="sealed"):
+        t.append(1, [1])
+    t.append(2, [3, 4, 5])
+    other = SuffixTree(8)
+    other.append_from(9, t, 2, 1, 3)
+    assert other.sequence(9) == [4, 5]
+    assert t.memory_bytes() > empty
+    t.remove(1)
+    t.remove(2)
+    assert t.num_seqs == 0 and t.num_nodes == 0 and t.num_tokens == 0
+    t.check_integrity()
+    # Node storage is kept for reuse; sequences and child lists are freed.
+    assert t.memory_bytes() < empty + 16 * 1024
+
+
+def test_wrapper_rejects_bad_input_without_change() -> None:
+    t = SuffixTree(4)
+    t.append(0, [1, 2, 3])
+    before = (t.num_nodes, t.num_tokens, t.memory_bytes())
+    for call, message in [
+        (lambda: t.append(0, [1.5]), "ints"),
+        (lambda: t.append(0, np.zeros(2, dtype=np.float32)), "integer dtype"),
+        (lambda: t.append(0, [2**31]), "out of range"),
+        (lambda: t.append("x", [1]), "sequence id"),  # type: ignore[arg-type]
+        (lambda: t.remove(5), "unknown sequence id 5"),
+        (lambda: t.seal(5), "unknown sequence id 5"),
+        (lambda: t.seq_len(5), "unknown"),
+        (lambda: t.append_from(1, t, 0, 2, 9), "out of bounds"),
+        (lambda: t.append_from(1, t, 7, 0, 1), "unknown"),
+        (lambda: t.speculate([1], max_tokens=-1), "max_tokens"),
+        (lambda: t.speculate([1], factor=-1.0), "factor"),
+        (lambda: t.speculate([1], min_prob=2.0), "min_prob"),
+        (lambda: t.speculate([1], offset=float("nan")), "offset"),
+        (lambda: t.speculate([1], tree=1), "tree"),  # type: ignore[arg-type]
+        (lambda: t.speculate([1], alpha=[0.0, 1.0]), "alpha"),
+        (lambda: t.speculate([1], alpha=-1.0), "alpha"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert (t.num_nodes, t.num_tokens, t.memory_bytes()) == before
+    with pytest.raises(ValueError, match="max_depth"):
+        SuffixTree(0)
+
+
+def test_as_tokens_accepts_integer_inputs() -> None:
+    assert as_tokens(np.array([1, 2], dtype=np.uint8)).dtype == np.int32
+    assert list(as_tokens((np.int64(3), 4))) == [3, 4]
+    assert as_tokens([]).size == 0
+    assert alpha_table(0.5, 2).tolist() == [0.5, 0.5, 0.5]
+
+
+def test_batched_propose_releases_the_gil() -> None:
+    # One long native call in a worker thread: if it held the GIL, this thread
+    # would stall for the whole call.
+    rng = np.random.default_rng(0)
+    s = SuffixSpeculator(SpecConfig(tree=True, max_spec_tokens=64, factor=8.0, min_prob=0.0))
+    ids = list(range(3000))
+    for i in ids:
+        s.start(i, rng.integers(0, 3, size=200), group_id=i % 4)
+    s.finish(0)
+    ids.remove(0)
+    duration = 0.0
+
+    def work() -> None:
+        nonlocal duration
+        t0 = time.perf_counter()
+        s.propose_arrays(ids)
+        duration = time.perf_counter() - t0
+
+    worker = threading.Thread(target=work)
+    gaps = []
+    worker.start()
+    last = time.perf_counter()
+    while worker.is_alive():
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    worker.join()
+    if duration < 0.05:
+        pytest.skip(f"the batch took only {duration:.3f} s: too short to tell")
+    assert max(gaps) < duration / 2, (max(gaps), duration)
