@@ -136,6 +136,8 @@ void SuffixTree::speculate_into(const int32_t* ctx, size_t n, const SpecParams& 
                                 DraftResult* best, double bar) const {
   thread_local DraftResult cand;  // reused: no allocation per match length
   reset(best);
+  const int32_t cap = static_cast<int32_t>(std::min<size_t>(n, static_cast<size_t>(max_depth_)));
+  if (static_cast<double>(limit_for(cap, p)) <= bar) return;  // nothing here can win
   const int32_t max_k = match_len(ctx, n);
   for (int32_t k = max_k; k >= 1; --k) {
     const int32_t limit = limit_for(k, p);
