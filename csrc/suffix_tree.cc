@@ -21,18 +21,39 @@ constexpr uint32_t kNoSlot = std::numeric_limits<uint32_t>::max();
 
 SuffixTree::SuffixTree(int32_t max_depth) : max_depth_(max_depth) {
   if (max_depth < 1) throw std::invalid_argument("max_depth must be >= 1");
-  root_ = new_node();
-  num_nodes_ = 0;  // the root is not counted
+  root_ = new Node();  // outside the pool, so an empty tree can drop the pool
+  root_->ref_slot = kNoSlot;
 }
 
 SuffixTree::~SuffixTree() {
-  std::vector<Node*> stack{root_};
+  std::vector<Node*> stack;
+  for (const Child& c : root_->children) stack.push_back(c.node);
   while (!stack.empty()) {
     Node* n = stack.back();
     stack.pop_back();
     for (const Child& c : n->children) stack.push_back(c.node);
     n->~Node();
   }
+  delete root_;
+}
+
+// Once the last sequence is gone (zombies included), give every pooled buffer
+// back, so that an emptied tree costs what a new one does.
+void SuffixTree::release_if_empty() {
+  if (num_nodes_ != 0 || !ids_.empty()) return;
+  for (const Slot& s : slots_)
+    if (s.refs != 0) return;
+  chunks_.clear();
+  chunks_.shrink_to_fit();
+  chunk_size_ = chunk_used_ = chunk_total_ = 0;
+  std::vector<Node*>().swap(free_nodes_);
+  std::vector<Slot>().swap(slots_);
+  std::vector<const int32_t*>().swap(slot_data_);
+  std::vector<uint32_t>().swap(free_slots_);
+  std::unordered_map<int64_t, uint32_t>().swap(ids_);
+  std::vector<Child>().swap(root_->children);
+  root_->index.reset();
+  root_->child_sum = 0;
 }
 
 // ---------------------------------------------------------------- node helpers
@@ -350,6 +371,7 @@ void SuffixTree::remove(int64_t seq_id) {
     s.id = -1;
     free_slots_.push_back(slot);
   }
+  release_if_empty();
 }
 
 // ---------------------------------------------------------------- queries

@@ -145,6 +145,7 @@ class SuffixTree {
     return slot_data_[n->ref_slot] + (n->ref_end - n->length);
   }
   Node* new_node();
+  void release_if_empty();
   void free_node(Node* n);
   void set_ref(Node* n, uint32_t slot, int32_t end);
   void release_slot_ref(uint32_t slot);
