@@ -23,7 +23,8 @@ def test_counts_children_and_match() -> None:
     shallow = SuffixTree(4)
     shallow.append(0, [1, 2, 3, 1, 2, 4])
     # Depth 4 caps a draft after a 2-token match at 2 tokens.
-    assert list(shallow.speculate([1, 2], max_tokens=4, factor=2.0, min_prob=0.0).token_ids) == [3, 1]
+    capped = shallow.speculate([1, 2], max_tokens=4, factor=2.0, min_prob=0.0)
+    assert list(capped.token_ids) == [3, 1]
     d = t.speculate([5, 1, 2], max_tokens=4, factor=2.0, min_prob=0.0)
     assert list(d.token_ids) == [3, 1, 2, 4] and d.match_len == 2
     assert d.score == pytest.approx(2.0)
@@ -99,9 +100,9 @@ def test_batched_propose_releases_the_gil() -> None:
     # would stall for the whole call.
     rng = np.random.default_rng(0)
     s = SuffixSpeculator(SpecConfig(tree=True, max_spec_tokens=64, factor=8.0, min_prob=0.0))
-    ids = list(range(3000))
+    ids = list(range(4000))
     for i in ids:
-        s.start(i, rng.integers(0, 3, size=200), group_id=i % 4)
+        s.start(i, rng.integers(0, 3, size=300), group_id=i % 4)
     s.finish(0)
     ids.remove(0)
     duration = 0.0
@@ -121,6 +122,6 @@ def test_batched_propose_releases_the_gil() -> None:
         gaps.append(now - last)
         last = now
     worker.join()
-    if duration < 0.05:
+    if duration < 0.03:
         pytest.skip(f"the batch took only {duration:.3f} s: too short to tell")
     assert max(gaps) < duration / 2, (max(gaps), duration)

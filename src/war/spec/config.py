@@ -93,6 +93,30 @@ class SpecConfig:
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 
+    @classmethod
+    def for_mode(cls, mode: str, **overrides: object) -> SpecConfig:
+        """The tuned configuration of ``mode``: ``"path"`` (chains) or ``"tree"``."""
+        if mode == "path":
+            return cls(**overrides)  # type: ignore[arg-type]
+        if mode == "tree":
+            return cls.tree_preset(**overrides)
+        raise ValueError(f"unknown mode {mode!r} (expected 'path' or 'tree')")
+
+    @classmethod
+    def baseline(cls, mode: str, **overrides: object) -> SpecConfig:
+        """SuffixDecoding as published, for side-by-side comparisons: no groups, no
+        smoothing, history of bare responses, factor 1 (chains) or 2 (trees), minimum
+        token probability 0.1, drafts up to the tree depth."""
+        if mode not in ("path", "tree"):
+            raise ValueError(f"unknown mode {mode!r} (expected 'path' or 'tree')")
+        values: dict[str, object] = dict(
+            tree=mode == "tree", factor=1.0 if mode == "path" else 2.0, min_prob=0.1,
+            max_spec_tokens=64, alpha=0.0, alpha_decay=1.0, local_alpha=0.0,
+            global_alpha=0.0, group_weight=0.0, lead_in=0,
+        )
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
     def alpha_table(self, alpha: float | None = None) -> tuple[float, ...]:
         """Smoothing per trie depth ``0..max_depth``: ``alpha * alpha_decay**depth``
         (``alpha`` defaults to the group's)."""

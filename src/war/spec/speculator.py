@@ -318,7 +318,7 @@ class SuffixSpeculator:
             raise RuntimeError("group histories out of step with the entry list")
 
     def _traj(self, seq_id: object) -> _Trajectory:
-        traj = self._trajs.get(seq_id) if type(seq_id) is int else None  # type: ignore[arg-type]
+        traj = self._trajs.get(seq_id) if type(seq_id) is int else None
         if traj is None:
             sid = as_id(seq_id)
             traj = self._trajs.get(sid)

@@ -1,0 +1,37 @@
+"""Entry point of the `war` command (`war = "war.cli.main:main"` in pyproject).
+
+Knows the subcommands and how to report a caller's mistake (one line on stderr, exit
+status 1); each subcommand's options and work live in its own module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from war.cli import spec
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="war", description="Workload-Aware Rollout: fast rollouts for agentic RL."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    spec.add_demo_command(commands)
+    spec.add_spec_command(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs `war` with `argv` (default: the process arguments); returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        status: int = args.run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"war: error: {e}", file=sys.stderr)
+        return 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Bundled demo data: a GPT-2 tokenizer and a small sample of agent traces.
+
+This module knows where the packaged files are and how they are compressed; it does
+not know the trace format (`war.spec.traces`) or anything about speculation.
+Files are read through `importlib.resources`, so they work from a wheel as well as
+from a source checkout. See README.md in this folder for origins and licenses.
+"""
+
+from __future__ import annotations
+
+import gzip
+import sys
+from importlib.resources import files
+
+if sys.version_info >= (3, 11):
+    from importlib.resources.abc import Traversable
+else:
+    from importlib.abc import Traversable
+
+__all__ = ["GPT2_TOKENIZER", "SAMPLE_TRACES", "Traversable", "gpt2_tokenizer_json", "resource"]
+
+GPT2_TOKENIZER = "gpt2-tokenizer.json.gz"
+SAMPLE_TRACES = "sample_traces.jsonl.gz"
+
+
+def resource(name: str) -> Traversable:
+    """The packaged file `name` (for example `SAMPLE_TRACES`); raises FileNotFoundError."""
+    path = files(__name__).joinpath(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"war.data has no bundled file {name!r}")
+    return path
+
+
+def gpt2_tokenizer_json() -> str:
+    """The bundled GPT-2 `tokenizer.json`, decompressed (for `Tokenizer.from_str`)."""
+    return gzip.decompress(resource(GPT2_TOKENIZER).read_bytes()).decode("utf-8")
