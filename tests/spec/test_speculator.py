@@ -176,6 +176,8 @@ def test_history_window_over_rl_steps() -> None:
         s.finish(step)
     # Steps 2 and 3 remain (window of 2 steps).
     assert s.num_history_entries == 2
+    s.add_history([1, 2, 3, 70], group_id="A", rl_step=1)  # already outside the window
+    assert s.num_history_entries == 2
     s.observe_step(5)
     assert s.num_history_entries == 0 and s.history_tokens == 0
     s.check_integrity()

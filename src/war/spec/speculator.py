@@ -140,8 +140,9 @@ class SuffixSpeculator:
         _check_group(group_id)
         tokens = as_tokens(token_ids)
         step = self._rl_step if rl_step is None else as_id(rl_step, "rl_step")
-        if tokens.size == 0:
-            return
+        window = self.config.history_window_steps
+        if tokens.size == 0 or (window is not None and step <= self._rl_step - window):
+            return  # nothing to add, or already outside the window
         src = SuffixTree(1)
         src.append(0, tokens)
         self._insert(src, 0, 0, int(tokens.size), group_id, step)
