@@ -24,7 +24,7 @@ void SuffixTree::draft_path(Position at, int32_t depth, int32_t limit, const Spe
   while (static_cast<int32_t>(out->tokens.size()) < limit) {
     int32_t token;
     double prob;
-    if (off < cur->length) {
+    if (off < len(cur)) {
       token = label(cur)[off];
       prob = static_cast<double>(cur->count) / (static_cast<double>(cur->count) + p.alpha[depth]);
       ++off;
@@ -81,7 +81,7 @@ void SuffixTree::draft_tree(Position at, int32_t depth, int32_t limit, const Spe
   } heap{heap_storage};
   uint64_t order = 0;
   auto push_first = [&](Node* cur, int32_t off, int32_t d, double p_here, int32_t parent) {
-    if (off < cur->length) {
+    if (off < len(cur)) {
       const double prob =
           static_cast<double>(cur->count) / (static_cast<double>(cur->count) + p.alpha[d]);
       const double pc = p_here * prob;
@@ -169,7 +169,7 @@ void SuffixTree::speculate_self_into(int64_t seq_id, const SpecParams& p, DraftR
   // the depth (a longer string occurs no more often), so binary search the
   // deepest such suffix. The suffix of depth max_depth never continues.
   int32_t lo = 0;
-  int32_t hi = std::min(static_cast<int32_t>(s.tokens.size()), max_depth_ - 1);
+  int32_t hi = explicit_depth(s);  // deeper suffixes are in open leaves: seen once
   while (lo < hi) {
     const int32_t mid = (lo + hi + 1) / 2;
     if (s.active[mid]->count >= 2) lo = mid; else hi = mid - 1;
@@ -180,7 +180,7 @@ void SuffixTree::speculate_self_into(int64_t seq_id, const SpecParams& p, DraftR
     Node* node = s.active[k];
     if (node->children.empty()) continue;  // every occurrence ends here
     reset(&cand);
-    draft_from(Position{node, node->length}, k, limit, p, &cand);
+    draft_from(Position{node, len(node)}, k, limit, p, &cand);
     if (cand.score > best->score) {
       std::swap(*best, cand);
       best->match_len = k;

@@ -49,6 +49,7 @@ void SuffixTree::release_if_empty() {
   std::vector<Node*>().swap(free_nodes_);
   std::vector<Slot>().swap(slots_);
   std::vector<const int32_t*>().swap(slot_data_);
+  std::vector<int32_t>().swap(slot_len_);
   std::vector<uint32_t>().swap(free_slots_);
   std::unordered_map<int64_t, uint32_t>().swap(ids_);
   std::vector<Child>().swap(root_->children);
@@ -85,13 +86,18 @@ void SuffixTree::free_node(Node* n) {
   --num_nodes_;
 }
 
-void SuffixTree::set_ref(Node* n, uint32_t slot, int32_t end) {
+void SuffixTree::set_ref_slot(Node* n, uint32_t slot) {
   if (n->ref_slot != slot) {
     if (n->ref_slot != kNoSlot) release_slot_ref(n->ref_slot);
     ++slots_[slot].refs;
     n->ref_slot = slot;
   }
-  n->ref_end = end;
+}
+
+// Points a closed node at the occurrence of its path ending at `end` in `slot`.
+void SuffixTree::set_ref(Node* n, uint32_t slot, int32_t end) {
+  set_ref_slot(n, slot);
+  n->ref_pos = end;
 }
 
 void SuffixTree::release_slot_ref(uint32_t slot) {
@@ -100,6 +106,7 @@ void SuffixTree::release_slot_ref(uint32_t slot) {
   if (s.refs == 0 && !s.alive && slot != removing_slot_) {
     std::vector<int32_t>().swap(s.tokens);
     slot_data_[slot] = nullptr;
+    slot_len_[slot] = 0;
     s.id = -1;
     free_slots_.push_back(slot);
   }
@@ -183,11 +190,33 @@ void SuffixTree::decrement(Node* c) {
   if (c->count == 0) remove_last_child(parent);
 }
 
+void SuffixTree::close(Node* n) {
+  if (n->open_depth < 0) return;
+  const int32_t length = len(n);
+  const int32_t depth = n->open_depth + length;  // where the owner's suffix ends
+  Slot& owner = slots_[n->ref_slot];
+  n->length = length;
+  n->ref_pos += length;
+  n->open_depth = -1;
+  if (depth < max_depth_ && !owner.active.empty()) {
+    // Another occurrence is arriving, so this suffix is no longer unique. The
+    // same step closes every shorter open suffix of the owner (the arriving
+    // sequence ends with all of them), so the owner is consistent after it.
+    owner.active[depth] = n;
+    owner.implicit_upto = std::min(owner.implicit_upto, slot_len_[n->ref_slot] - depth - 1);
+  }
+}
+
 // The parent of `c` has `c` as its only child and the same count: `c` takes over
 // its label and its place. `c` survives, so pointers to it stay valid.
 void SuffixTree::absorb_parent(Node* c) {
   Node* a = c->parent;
-  c->length += a->length;
+  if (c->open_depth >= 0) {
+    c->ref_pos -= a->length;  // an open leaf's label starts earlier
+    c->open_depth -= a->length;
+  } else {
+    c->length += a->length;
+  }
   c->token = a->token;
   replace_child(a->parent, a, c);
   a->children.clear();
@@ -211,13 +240,16 @@ uint32_t SuffixTree::slot_for_append(int64_t seq_id) {
     slot = static_cast<uint32_t>(slots_.size());
     slots_.emplace_back();
     slot_data_.push_back(nullptr);
+    slot_len_.push_back(0);
   }
   Slot& s = slots_[slot];
   s.id = seq_id;
   s.alive = true;
   s.refs = 0;
   s.tokens.clear();
+  s.implicit_upto = -1;
   slot_data_[slot] = s.tokens.data();
+  slot_len_[slot] = 0;
   s.active.assign(static_cast<size_t>(max_depth_), nullptr);
   s.active[0] = root_;
   ids_.emplace(seq_id, slot);
@@ -225,15 +257,15 @@ uint32_t SuffixTree::slot_for_append(int64_t seq_id) {
 }
 
 // Moves the suffix that ends at `a` (at trie depth `depth`) one token deeper and
-// returns the node where it now ends. `pos` is the token's index in its sequence.
-Node* SuffixTree::extend(uint32_t slot, Node* a, int32_t /*depth*/, int32_t token,
-                         int32_t pos) {
+// returns the node where it now ends. `pos` is the token's index in its sequence,
+// already appended. A returned open leaf means the suffix now grows implicitly.
+Node* SuffixTree::extend(uint32_t slot, Node* a, int32_t depth, int32_t token, int32_t pos) {
   if (a != root_ && a->children.empty() && a->count == 1) {
-    // This suffix is the leaf's only occupant, so the leaf's path is this
-    // suffix: grow the label in place (re-pointing it at this sequence, as the
-    // reference may still name a removed one).
-    a->length += 1;
-    set_ref(a, slot, pos + 1);
+    // This suffix is the (closed) leaf's only occupant, so the leaf's path is
+    // this suffix: open the leaf on this sequence, which grows it by the token.
+    set_ref_slot(a, slot);
+    a->ref_pos = pos - a->length;
+    a->open_depth = depth - a->length;
     return a;
   }
   Node* c = find_child(a, token);
@@ -241,28 +273,35 @@ Node* SuffixTree::extend(uint32_t slot, Node* a, int32_t /*depth*/, int32_t toke
     c = new_node();
     c->token = token;
     c->count = 1;
-    c->length = 1;
-    set_ref(c, slot, pos + 1);
+    set_ref_slot(c, slot);
+    c->ref_pos = pos;  // an open leaf: label = tokens[pos, end of sequence)
+    c->open_depth = depth;
     add_child(a, c);
     ++a->child_sum;
     return c;
   }
-  if (c->length > 1) {
+  if (len(c) > 1) {
     // The suffix enters `c` by one token only: split off that token.
     Node* top = new_node();
     top->token = token;
     top->count = c->count;
     top->child_sum = c->count;
     top->length = 1;
-    set_ref(top, c->ref_slot, c->ref_end - c->length + 1);
+    set_ref(top, c->ref_slot, label_start(c) + 1);
     replace_child(a, c, top);
-    c->length -= 1;
+    if (c->open_depth >= 0) {
+      c->ref_pos += 1;
+      c->open_depth += 1;
+    } else {
+      c->length -= 1;
+    }
     c->token = label(c)[0];
     c->parent = top;
     c->pos = 0;
     top->children.push_back(Child{c->token, c->count, c});
     c = top;
   }
+  close(c);  // it is about to hold two occurrences
   increment(c);
   set_ref(c, slot, pos + 1);
   if (a != root_ && a->children.size() == 1 && a->count == c->count) absorb_parent(c);
@@ -272,12 +311,20 @@ Node* SuffixTree::extend(uint32_t slot, Node* a, int32_t /*depth*/, int32_t toke
 void SuffixTree::append_token(uint32_t slot, int32_t token) {
   Slot& s = slots_[slot];
   const int32_t n = static_cast<int32_t>(s.tokens.size());
+  const int32_t dmax = explicit_depth(s);
   s.tokens.push_back(token);
   slot_data_[slot] = s.tokens.data();
-  const int32_t dmax = std::min(n, max_depth_ - 1);
+  slot_len_[slot] = n + 1;
+  // Suffixes in open leaves grew with the push; the others move one token down,
+  // longest first.
   for (int32_t d = dmax; d >= 0; --d) {
-    Node* c = extend(slot, slots_[slot].active[d], d, token, n);
-    if (d + 1 < max_depth_) slots_[slot].active[d + 1] = c;
+    Node* c = extend(slot, s.active[d], d, token, n);
+    if (c->open_depth >= 0) {
+      // This suffix and every longer one now grow implicitly.
+      s.implicit_upto = std::max(s.implicit_upto, n - d);
+    } else if (d + 1 < max_depth_) {
+      s.active[d + 1] = c;
+    }
   }
   ++num_tokens_;
 }
@@ -330,18 +377,18 @@ void SuffixTree::remove(int64_t seq_id) {
   num_tokens_ -= n;
   std::vector<Node*> path;
   for (int32_t i = 0; i < n; ++i) {
-    const int32_t len = std::min(max_depth_, n - i);
+    const int32_t suffix_len = std::min(max_depth_, n - i);
     path.clear();
     Node* node = root_;
     int32_t depth = 0;
-    while (depth < len) {
+    while (depth < suffix_len) {
       Node* c = find_child(node, toks[i + depth]);
       if (c == nullptr) fail("remove: suffix path missing");
-      depth += c->length;
+      depth += len(c);
       path.push_back(c);
       node = c;
     }
-    if (depth != len) fail("remove: suffix ends inside a node");
+    if (depth != suffix_len) fail("remove: suffix ends inside a node");
     for (Node* c : path) decrement(c);
     for (size_t j = path.size(); j-- > 0;) {
       Node* c = path[j];
@@ -355,7 +402,7 @@ void SuffixTree::remove(int64_t seq_id) {
         for (const Child& e : c->children) {
           const Node* ch = e.node;
           if (slots_[ch->ref_slot].alive) {
-            set_ref(c, ch->ref_slot, ch->ref_end - ch->length);
+            set_ref(c, ch->ref_slot, label_start(ch));
             break;
           }
         }
@@ -368,6 +415,7 @@ void SuffixTree::remove(int64_t seq_id) {
   if (s.refs == 0) {
     std::vector<int32_t>().swap(s.tokens);
     slot_data_[slot] = nullptr;
+    slot_len_[slot] = 0;
     s.id = -1;
     free_slots_.push_back(slot);
   }
@@ -396,7 +444,8 @@ bool SuffixTree::walk(const int32_t* path, size_t n, Position* out) const {
     if (c == nullptr) return false;
     const int32_t* lab = label(c);
     int32_t j = 0;
-    while (j < c->length && i < n) {
+    const int32_t c_len = len(c);
+    while (j < c_len && i < n) {
       if (lab[j] != path[i]) return false;
       ++i;
       ++j;
@@ -420,7 +469,7 @@ std::vector<std::pair<int32_t, int32_t>> SuffixTree::children(const int32_t* pat
   std::vector<std::pair<int32_t, int32_t>> out;
   Position p;
   if (!walk(path, n, &p)) return out;
-  if (p.offset < p.node->length) {
+  if (p.node != root_ && p.offset < len(p.node)) {
     out.emplace_back(label(p.node)[p.offset], p.node->count);
   } else {
     for (const Child& c : p.node->children) out.emplace_back(c.token, c.count);
@@ -465,7 +514,7 @@ size_t SuffixTree::memory_bytes() const {
   bytes += chunk_total_ * sizeof(Node) + chunks_.capacity() * sizeof(void*) +
            free_nodes_.capacity() * sizeof(Node*);
   bytes += slots_.capacity() * sizeof(Slot) + free_slots_.capacity() * sizeof(uint32_t) +
-           slot_data_.capacity() * sizeof(const int32_t*);
+           slot_data_.capacity() * sizeof(const int32_t*) + slot_len_.capacity() * sizeof(int32_t);
   for (const Slot& s : slots_)
     bytes += s.tokens.capacity() * sizeof(int32_t) + s.active.capacity() * sizeof(Node*);
   bytes += ids_.bucket_count() * sizeof(void*) +
@@ -482,13 +531,19 @@ void SuffixTree::check_node(const Node* n, std::vector<int32_t>* path, size_t* n
   if (depth > max_depth_) fail("node deeper than max_depth");
   if (n != root_) {
     if (n->count < 1) fail("node with count < 1");
-    if (n->length < 1) fail("node with empty label");
     if (n->ref_slot >= slots_.size()) fail("bad ref slot");
     const Slot& s = slots_[n->ref_slot];
     ++(*slot_refs)[n->ref_slot];
-    if (n->ref_end > static_cast<int32_t>(s.tokens.size()) || n->ref_end - depth < 0)
+    if (len(n) < 1) fail("node with empty label");
+    if (n->open_depth >= 0) {
+      if (n->count != 1 || !n->children.empty()) fail("open node that is not a lone leaf");
+      if (!s.alive) fail("open leaf of a removed sequence");
+      if (n->open_depth != depth - len(n)) fail("open leaf's start depth out of date");
+    }
+    const int32_t end = label_start(n) + len(n);
+    if (end > static_cast<int32_t>(s.tokens.size()) || end - depth < 0)
       fail("ref out of range");
-    if (!std::equal(path->begin(), path->end(), s.tokens.begin() + (n->ref_end - depth)))
+    if (!std::equal(path->begin(), path->end(), s.tokens.begin() + (end - depth)))
       fail("ref does not hold the node's path");
     if (label(n)[0] != n->token) fail("token is not the label's first token");
   }
@@ -515,7 +570,7 @@ void SuffixTree::check_node(const Node* n, std::vector<int32_t>* path, size_t* n
   for (const Child& e : n->children) {
     const Node* c = e.node;
     const int32_t* lab = label(c);
-    path->insert(path->end(), lab, lab + c->length);
+    path->insert(path->end(), lab, lab + len(c));
     check_node(c, path, num_nodes, slot_refs);
     path->resize(static_cast<size_t>(depth));
   }
@@ -546,25 +601,29 @@ void SuffixTree::check_integrity() const {
     const Slot& s = slots_[slot];
     const int32_t n = static_cast<int32_t>(s.tokens.size());
     for (int32_t i = 0; i < n; ++i) {
-      const int32_t len = std::min(max_depth_, n - i);
+      const int32_t suffix_len = std::min(max_depth_, n - i);
       const Node* node = root_;
       int32_t depth = 0;
-      while (depth < len) {
+      while (depth < suffix_len) {
         const Node* c = find_child(node, s.tokens[i + depth]);
         if (c == nullptr) fail("a suffix of sequence " + std::to_string(id) + " is missing");
-        for (int32_t j = 0; j < c->length && depth + j < len; ++j)
+        const int32_t c_len = len(c);
+        for (int32_t j = 0; j < c_len && depth + j < suffix_len; ++j)
           if (label(c)[j] != s.tokens[i + depth + j]) fail("a suffix's tokens differ");
-        if (depth + c->length > len) fail("a suffix ends inside a node");
-        depth += c->length;
+        if (depth + c_len > suffix_len) fail("a suffix ends inside a node");
+        depth += c_len;
         ++counted[c];
         node = c;
       }
+      if (!s.active.empty() && i <= s.implicit_upto && i + max_depth_ > n &&
+          (node->open_depth < 0 || node->ref_slot != slot))
+        fail("a suffix in the implicit range does not end in its own open leaf");
     }
     if (!s.active.empty()) {
-      for (int32_t d = 1; d <= std::min(n, max_depth_ - 1); ++d) {
+      for (int32_t d = 1; d <= explicit_depth(s); ++d) {
         Position p;
         if (!walk(s.tokens.data() + n - d, static_cast<size_t>(d), &p) ||
-            p.node != s.active[d] || p.offset != p.node->length)
+            p.node != s.active[d] || p.offset != len(p.node) || p.node->open_depth >= 0)
           fail("active suffix pointer out of date");
       }
     }

@@ -20,6 +20,12 @@
 //    the only occupant of a leaf, by growing that leaf's label in place.
 //  * After every change a parent with a single child of equal count is merged
 //    into that child, so chains stay compressed.
+//  * A leaf whose one occurrence is a growing suffix is *open*: its label runs to
+//    the end of its sequence (capped at depth D) and grows with it for free. The
+//    suffixes in open leaves are the longest ones of their sequence (a longer
+//    string occurs no more often), so appending a token only visits the
+//    suffixes that still end at explicit nodes: O(1) per token in text that is
+//    new, O(length of the repeat) in text that repeats.
 //
 // Sequences live in slots. A slot's tokens are kept while any node references
 // them, even after the sequence was removed (a "zombie"); removal re-points
@@ -27,6 +33,7 @@
 // and are included in memory accounting.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -51,17 +58,18 @@ struct Node {
   int32_t token = -1;      // first token of the label (the key in the parent's list)
   int32_t count = 0;       // occurrence count shared by every token of the label
   int32_t child_sum = 0;   // sum of the children's counts (occurrences that continue)
-  int32_t length = 0;      // label length in tokens (0 only for the root)
-  int32_t ref_end = 0;     // label = slots[ref_slot].tokens[ref_end - length, ref_end)
+  int32_t length = 0;      // label length in tokens (closed nodes; 0 for the root)
+  int32_t ref_pos = 0;     // closed: end of the label in slot ref_slot; open: its start
   uint32_t ref_slot = 0;   // slot holding an occurrence of this node's whole path
   uint32_t pos = 0;        // index of this node in parent->children
+  int32_t open_depth = -1; // open leaf: trie depth where its label starts; else -1
   Node* parent = nullptr;  // nullptr only for the root
   std::vector<Child> children;  // sorted by count, descending (tie rules: docs)
   std::unique_ptr<std::unordered_map<int32_t, Node*>> index;  // token -> child, for wide nodes
 };
 
 // A place in the trie: `offset` label tokens of `node` have been matched
-// (offset == node->length means the node's end).
+// (offset == the label's length means the node's end).
 struct Position {
   Node* node = nullptr;
   int32_t offset = 0;
@@ -137,17 +145,35 @@ class SuffixTree {
     int64_t id = -1;
     std::vector<int32_t> tokens;
     std::vector<Node*> active;  // active[d] = node where the suffix of depth d ends, d >= 1
+    int32_t implicit_upto = -1; // suffixes starting at or before this index are in open leaves
     int64_t refs = 0;           // nodes whose ref_slot is this slot
     bool alive = false;
   };
 
+  // Label length, start (in slot ref_slot) and tokens of a non-root node.
+  int32_t len(const Node* n) const {
+    if (n->open_depth < 0) return n->length;
+    return std::min(slot_len_[n->ref_slot] - n->ref_pos, max_depth_ - n->open_depth);
+  }
+  int32_t label_start(const Node* n) const {
+    return n->open_depth < 0 ? n->ref_pos - n->length : n->ref_pos;
+  }
   const int32_t* label(const Node* n) const {
-    return slot_data_[n->ref_slot] + (n->ref_end - n->length);
+    return slot_data_[n->ref_slot] + label_start(n);
+  }
+  // Turns an open leaf into an ordinary (closed) node of its current length; its
+  // owner's suffix that ended there becomes explicit again.
+  void close(Node* n);
+  // Explicit suffix depths of a growing sequence: 1 .. this.
+  int32_t explicit_depth(const Slot& s) const {
+    const int32_t n = static_cast<int32_t>(s.tokens.size());
+    return std::min(n - 1 - s.implicit_upto, max_depth_ - 1);
   }
   Node* new_node();
   void release_if_empty();
   void free_node(Node* n);
   void set_ref(Node* n, uint32_t slot, int32_t end);
+  void set_ref_slot(Node* n, uint32_t slot);
   void release_slot_ref(uint32_t slot);
   Node* find_child(const Node* n, int32_t token) const;
   void add_child(Node* parent, Node* child);
@@ -184,6 +210,7 @@ class SuffixTree {
   Node* root_;
   std::vector<Slot> slots_;
   std::vector<const int32_t*> slot_data_;  // slots_[i].tokens.data(): one load less per label
+  std::vector<int32_t> slot_len_;          // slots_[i].tokens.size(), for open leaves
   std::vector<uint32_t> free_slots_;
   std::unordered_map<int64_t, uint32_t> ids_;
   uint32_t removing_slot_ = UINT32_MAX;  // slot being removed: its tokens stay until the end
