@@ -113,10 +113,7 @@ void SuffixTree::release_slot_ref(uint32_t slot) {
 }
 
 Node* SuffixTree::find_child(const Node* n, int32_t token) const {
-  if (n->index) {
-    auto it = n->index->find(token);
-    return it == n->index->end() ? nullptr : it->second;
-  }
+  if (n->index) return n->index->find(token);
   for (const Child& c : n->children)
     if (c.token == token) return c.node;
   return nullptr;
@@ -127,10 +124,10 @@ void SuffixTree::add_child(Node* parent, Node* child) {
   child->pos = static_cast<uint32_t>(parent->children.size());
   parent->children.push_back(Child{child->token, child->count, child});
   if (parent->index) {
-    parent->index->emplace(child->token, child);
+    parent->index->put(child->token, child);
   } else if (parent->children.size() > kIndexThreshold) {
-    parent->index = std::make_unique<std::unordered_map<int32_t, Node*>>();
-    for (const Child& c : parent->children) parent->index->emplace(c.token, c.node);
+    parent->index = std::make_unique<FlatIndex>();
+    for (const Child& c : parent->children) parent->index->put(c.token, c.node);
   }
 }
 
@@ -145,7 +142,7 @@ void SuffixTree::replace_child(Node* parent, Node* old_child, Node* new_child) {
   new_child->parent = parent;
   new_child->pos = old_child->pos;
   parent->children[old_child->pos] = Child{new_child->token, new_child->count, new_child};
-  if (parent->index) (*parent->index)[new_child->token] = new_child;
+  if (parent->index) parent->index->put(new_child->token, new_child);
 }
 
 // Count k -> k+1: swap with the first sibling of count k (docs: child order).
@@ -507,8 +504,7 @@ size_t SuffixTree::memory_bytes() const {
     stack.pop_back();
     bytes += n->children.capacity() * sizeof(Child);
     if (n->index)
-      bytes += sizeof(*n->index) + n->index->bucket_count() * sizeof(void*) +
-               n->index->size() * (sizeof(std::pair<const int32_t, Node*>) + 2 * sizeof(void*));
+      bytes += sizeof(*n->index) + n->index->bytes();
     for (const Child& c : n->children) stack.push_back(c.node);
   }
   bytes += chunk_total_ * sizeof(Node) + chunks_.capacity() * sizeof(void*) +

@@ -41,6 +41,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "flat_index.h"
+
 namespace war {
 
 struct Node;
@@ -65,7 +67,7 @@ struct Node {
   int32_t open_depth = -1; // open leaf: trie depth where its label starts; else -1
   Node* parent = nullptr;  // nullptr only for the root
   std::vector<Child> children;  // sorted by count, descending (tie rules: docs)
-  std::unique_ptr<std::unordered_map<int32_t, Node*>> index;  // token -> child, for wide nodes
+  std::unique_ptr<FlatIndex> index;  // token -> child, for wide nodes
 };
 
 // A place in the trie: `offset` label tokens of `node` have been matched
