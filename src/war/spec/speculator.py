@@ -225,28 +225,27 @@ class SuffixSpeculator:
         the empty draft.
         """
         out = self.propose_arrays(seq_ids, budgets)
-        drafts = []
         offsets = out.offsets.tolist()
         tokens, parents, probs = out.token_ids.tolist(), out.parents.tolist(), out.probs.tolist()
-        scores, sources, match_lens = out.scores.tolist(), out.sources.tolist(), out.match_lens
-        for i in range(len(offsets) - 1):
-            a, b = offsets[i], offsets[i + 1]
-            drafts.append(Draft(tuple(tokens[a:b]), tuple(parents[a:b]), tuple(probs[a:b]),
-                                scores[i], SOURCE_NAMES[sources[i]], int(match_lens[i])))
-        return drafts
+        scores, sources = out.scores.tolist(), out.sources.tolist()
+        match_lens = out.match_lens.tolist()
+        return [
+            Draft(tuple(tokens[a:b]), tuple(parents[a:b]), tuple(probs[a:b]), scores[i],
+                  SOURCE_NAMES[sources[i]], match_lens[i])
+            for i, (a, b) in enumerate(zip(offsets, offsets[1:], strict=False))
+        ]
 
     def propose_arrays(
         self, seq_ids: Sequence[int], budgets: Sequence[int] | int | None = None
     ) -> BatchDrafts:
         """Like ``propose``, as concatenated arrays (for engines). Reads only."""
-        trajs = []
-        seen: set[int] = set()
-        for s in seq_ids:
-            sid = as_id(s)
-            if sid in seen:
-                raise ValueError(f"sequence {sid} appears twice in one batch")
-            seen.add(sid)
-            trajs.append(self._traj(sid))
+        trajs = [self._traj(s) for s in seq_ids]
+        if len({id(t) for t in trajs}) != len(trajs):
+            seen: set[int] = set()
+            for s in seq_ids:
+                if int(s) in seen:
+                    raise ValueError(f"sequence {int(s)} appears twice in one batch")
+                seen.add(int(s))
         budget_arr = self._budgets(budgets, len(trajs))
         groups = [
             self._groups.get(t.group, self._empty) if t.group is not None else self._empty
