@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -232,7 +233,7 @@ class SuffixSpeculator:
         return [
             Draft(tuple(tokens[a:b]), tuple(parents[a:b]), tuple(probs[a:b]), scores[i],
                   SOURCE_NAMES[sources[i]], match_lens[i])
-            for i, (a, b) in enumerate(zip(offsets, offsets[1:], strict=False))
+            for i, (a, b) in enumerate(pairwise(offsets))
         ]
 
     def propose_arrays(
