@@ -45,7 +45,7 @@ def add_spec_command(commands: Subparsers) -> None:
 def add_demo_command(commands: Subparsers) -> None:
     p = commands.add_parser(
         "demo",
-        help="replay the bundled sample in path and tree mode, with and without group history",
+        help="replay the bundled sample in path and tree mode, beside published SuffixDecoding",
     )
     _add_trace_options(p)
     p.set_defaults(run=run_demo)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 class SpecConfig:
     """Suffix speculation settings; validated on construction.
 
-    The defaults are tuned for chain drafts on real agent traces (see
-    ``benchmarks/spec``); ``SpecConfig.tree_preset()`` is the tuned tree setting.
+    The defaults are tuned for chain drafts on real agent traces (customer service
+    and coding agents; see ``benchmarks/spec``); ``SpecConfig.tree_preset()`` is the
+    tuned tree setting.
 
     * ``max_depth``: longest substring the trees count (and longest match).
     * ``max_spec_tokens``: most draft tokens per sequence and step; a caller's
@@ -49,12 +50,12 @@ class SpecConfig:
     max_spec_tokens: int = 32
     factor: float = 2.0
     offset: float = 0.0
-    min_prob: float = 0.25
+    min_prob: float = 0.35
     tree: bool = False
-    alpha: float = 1.2
+    alpha: float = 0.8
     alpha_decay: float = 0.85
-    local_alpha: float = 4.0
-    global_alpha: float = 2.5
+    local_alpha: float = 2.0
+    global_alpha: float = 1.5
     group_weight: float = 1.0
     use_global: bool = True
     lead_in: int = 8
