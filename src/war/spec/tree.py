@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from war.spec import _C  # type: ignore[attr-defined]  # the native core (csrc/)
+from war.spec import _C  # the native core (csrc/)
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
