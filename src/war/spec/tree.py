@@ -209,10 +209,7 @@ class SuffixTree:
         arr = as_tokens(tokens)
         if self._t.contains(sid) and self._t.seq_len(sid) + arr.size > INT32_MAX // 2:
             raise ValueError(f"sequence {sid} would exceed {INT32_MAX // 2} tokens")
-        try:
-            self._t.append(sid, arr)
-        except ValueError as e:  # sealed sequence
-            raise ValueError(str(e)) from None
+        self._t.append(sid, arr)  # a sealed sequence raises ValueError before any change
 
     def append_from(
         self, seq_id: int, other: SuffixTree, other_id: int, start: int, end: int
