@@ -1,5 +1,5 @@
-// Suffix trie maintenance: append, remove, compression, counts and checks.
-// Drafting lives in speculate.cc. See suffix_tree.h for the design.
+// Suffix trie maintenance: append, remove, compression and counts. Reads and
+// checks are in tree_queries.cc, drafting in speculate.cc; suffix_tree.h has the design.
 #include "suffix_tree.h"
 
 #include <algorithm>
