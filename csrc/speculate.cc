@@ -132,9 +132,19 @@ void reset(DraftResult* d) {
 }
 }  // namespace
 
+void SuffixTree::offer(Position at, int32_t k, int32_t limit, const SpecParams& p,
+                       DraftResult* best) const {
+  thread_local DraftResult cand;  // reused: no allocation per match length
+  reset(&cand);
+  draft_from(at, k, limit, p, &cand);
+  if (cand.score > best->score) {
+    std::swap(*best, cand);
+    best->match_len = k;
+  }
+}
+
 void SuffixTree::speculate_into(const int32_t* ctx, size_t n, const SpecParams& p,
                                 DraftResult* best, double bar) const {
-  thread_local DraftResult cand;  // reused: no allocation per match length
   reset(best);
   const int32_t cap = static_cast<int32_t>(std::min<size_t>(n, static_cast<size_t>(max_depth_)));
   if (static_cast<double>(limit_for(cap, p)) <= bar) return;  // nothing here can win
@@ -144,12 +154,7 @@ void SuffixTree::speculate_into(const int32_t* ctx, size_t n, const SpecParams& 
     if (static_cast<double>(limit) <= std::max(best->score, bar)) break;
     Position at;
     walk(ctx + n - k, static_cast<size_t>(k), &at);
-    reset(&cand);
-    draft_from(at, k, limit, p, &cand);
-    if (cand.score > best->score) {
-      std::swap(*best, cand);
-      best->match_len = k;
-    }
+    offer(at, k, limit, p, best);
   }
 }
 
@@ -163,7 +168,6 @@ void SuffixTree::speculate_self_into(int64_t seq_id, const SpecParams& p, DraftR
     speculate_into(s.tokens.data(), s.tokens.size(), p, best, bar);
     return;
   }
-  thread_local DraftResult cand;
   reset(best);
   // Only a suffix seen at least twice can have continued; that is monotone in
   // the depth (a longer string occurs no more often), so binary search the
@@ -179,12 +183,7 @@ void SuffixTree::speculate_self_into(int64_t seq_id, const SpecParams& p, DraftR
     if (static_cast<double>(limit) <= std::max(best->score, bar)) break;
     Node* node = s.active[k];
     if (node->children.empty()) continue;  // every occurrence ends here
-    reset(&cand);
-    draft_from(Position{node, len(node)}, k, limit, p, &cand);
-    if (cand.score > best->score) {
-      std::swap(*best, cand);
-      best->match_len = k;
-    }
+    offer(Position{node, len(node)}, k, limit, p, best);
   }
 }
 

@@ -13,10 +13,6 @@ namespace war {
 namespace {
 constexpr size_t kIndexThreshold = 8;  // children beyond which a node keeps a hash index
 constexpr uint32_t kNoSlot = std::numeric_limits<uint32_t>::max();
-
-[[noreturn]] void fail(const std::string& what) {
-  throw std::runtime_error("suffix tree integrity: " + what);
-}
 }  // namespace
 
 SuffixTree::SuffixTree(int32_t max_depth) : max_depth_(max_depth) {
@@ -331,7 +327,9 @@ void SuffixTree::append(int64_t seq_id, const int32_t* tokens, size_t n) {
     throw std::invalid_argument("too many tokens in one append");
   const uint32_t slot = slot_for_append(seq_id);
   if (slots_[slot].tokens.size() + n > static_cast<size_t>(std::numeric_limits<int32_t>::max() / 2))
-    throw std::invalid_argument("sequence too long");
+    throw std::invalid_argument("sequence " + std::to_string(seq_id) + " would exceed " +
+                                std::to_string(std::numeric_limits<int32_t>::max() / 2) +
+                                " tokens");
   slots_[slot].tokens.reserve(slots_[slot].tokens.size() + n);
   slot_data_[slot] = slots_[slot].tokens.data();
   for (size_t i = 0; i < n; ++i) append_token(slot, tokens[i]);

@@ -47,6 +47,11 @@ namespace war {
 
 struct Node;
 
+// Reports a broken invariant (what check_integrity and removal detect).
+[[noreturn]] inline void fail(const std::string& what) {
+  throw std::runtime_error("suffix tree integrity: " + what);
+}
+
 // An entry of a node's child list. The first token and the count are copied in
 // the list so that lookups and reordering read one contiguous array instead of
 // every child node.
@@ -190,6 +195,8 @@ class SuffixTree {
   bool walk(const int32_t* path, size_t n, Position* out) const;
   void draft_from(Position start, int32_t depth, int32_t limit, const SpecParams& p,
                   DraftResult* out) const;
+  // Drafts from a match of length k and keeps the draft in `best` if it scores higher.
+  void offer(Position at, int32_t k, int32_t limit, const SpecParams& p, DraftResult* best) const;
   void draft_path(Position start, int32_t depth, int32_t limit, const SpecParams& p,
                   DraftResult* out) const;
   void draft_tree(Position start, int32_t depth, int32_t limit, const SpecParams& p,

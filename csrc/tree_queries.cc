@@ -8,12 +8,6 @@
 
 namespace war {
 
-namespace {
-[[noreturn]] void fail(const std::string& what) {
-  throw std::runtime_error("suffix tree integrity: " + what);
-}
-}  // namespace
-
 // ---------------------------------------------------------------- queries
 
 int64_t SuffixTree::seq_len(int64_t seq_id) const {

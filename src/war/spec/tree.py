@@ -205,11 +205,9 @@ class SuffixTree:
 
     def append(self, seq_id: int, tokens: TokensLike) -> None:
         """Appends tokens to a sequence, creating it if new. Mutates."""
-        sid = as_id(seq_id)
-        arr = as_tokens(tokens)
-        if self._t.contains(sid) and self._t.seq_len(sid) + arr.size > INT32_MAX // 2:
-            raise ValueError(f"sequence {sid} would exceed {INT32_MAX // 2} tokens")
-        self._t.append(sid, arr)  # a sealed sequence raises ValueError before any change
+        # The native call raises ValueError before any change for a sealed or
+        # too-long sequence.
+        self._t.append(as_id(seq_id), as_tokens(tokens))
 
     def append_from(
         self, seq_id: int, other: SuffixTree, other_id: int, start: int, end: int
