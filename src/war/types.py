@@ -39,3 +39,133 @@ class Draft:
 
 
 EMPTY_DRAFT = Draft((), (), (), 0.0, "none", 0)
+
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one response.
+
+    * ``temperature``: 0 is greedy (argmax); otherwise logits are divided by it.
+    * ``top_p`` (0, 1], ``top_k`` (``0``: off): nucleus and top-k truncation.
+    * ``max_tokens``: most tokens to generate (>= 1).
+    * ``stop_token_ids``: generation ends after sampling one of them (it is
+      included in the output, as the end-of-turn token must be for training).
+    * ``stop``: strings; generation ends when the decoded output contains one
+      (the engine needs a detokenizer for these; the output is kept up to and
+      including the token that completed the string).
+    * ``seed``: a per-request random stream (``None``: the engine's own stream).
+    * ``logprobs``: return the log-probability of every sampled token under the
+      model's unprocessed distribution (``log_softmax`` of the logits).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
+                or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must be ints >= 0, got {t!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GenRequest:
+    """One generation request to a replica.
+
+    ``prompt_ids`` is the whole context so far (a multi-turn trajectory sends
+    its earlier turns again; the replica's prefix cache serves them). The
+    trajectory and group ids let replicas keep one draft tree per trajectory and
+    draft from the group's history; ``priority`` orders a replica's queue
+    (higher first; e.g. expected remaining work of the trajectory).
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    trajectory_id: str | None = None
+    group_id: str | None = None
+    priority: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if len(self.prompt_ids) == 0:
+            raise ValueError(f"request {self.request_id}: prompt_ids is empty")
+        if self.priority != self.priority:
+            raise ValueError(f"request {self.request_id}: priority is NaN")
+
+
+@dataclass(frozen=True, slots=True)
+class GenResult:
+    """The outcome of one ``GenRequest``.
+
+    ``logprobs[i]`` belongs to ``output_ids[i]`` (empty when not asked for).
+    ``num_cached_tokens``: prompt tokens served from the prefix cache.
+    ``num_forward_passes``: decoding steps this request took part in after its
+    prefill (tokens/step = ``len(output_ids) / num_forward_passes``).
+    ``num_draft_tokens`` / ``num_accepted_tokens``: speculation proposed/accepted.
+    ``weight_version``: the weights that produced the output.
+    """
+
+    request_id: str
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    num_forward_passes: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_preemptions: int = 0
+    weight_version: int = 0
+    queue_s: float = 0.0
+    total_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"unknown finish reason {self.finish_reason!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """A replica's load as a router sees it."""
+
+    num_running: int
+    num_waiting: int
+    tokens_in_flight: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    block_size: int
+    spec_tokens_per_seq: float = 0.0
+    weight_version: int = 0
+
+    @property
+    def kv_free_tokens(self) -> int:
+        return (self.kv_blocks_total - self.kv_blocks_used) * self.block_size

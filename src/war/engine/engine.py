@@ -1,0 +1,415 @@
+"""The replica engine: schedule, draft, run, verify, in one ``step()``.
+
+Knows: how a step is put together from the scheduler (which sequences and
+chunks), the speculator (drafts, one batched call), the spec policy (how many
+draft tokens each sequence verifies under the current load), the model (one
+forward pass with tree attention over the paged KV cache) and verification
+(lossless acceptance, sampling, logprobs). Does not know HTTP, routing or
+environments; it never sleeps or spawns threads (``AsyncEngine`` drives it).
+
+The correctness contract of speculation: greedy output with drafts equals the
+output without, token for token; for temperature > 0 the output distribution is
+exactly the model's (``verify.py``); logprobs are always the model's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from war.engine.attention import KVCache, SeqInput, build_batch
+from war.engine.block_manager import BlockManager
+from war.engine.config import EngineConfig
+from war.engine.drafting import TrajectoryDrafts
+from war.engine.loader import load_model
+from war.engine.model import CausalLM
+from war.engine.sampling import make_generator
+from war.engine.scheduler import Scheduler
+from war.engine.sequence import SeqStatus, Sequence
+from war.engine.spec_policy import SpecPolicy, SpecPolicyConfig
+from war.engine.stats import EngineStats
+from war.engine.verify import truncate, verify_tree
+from war.spec.speculator import SuffixSpeculator
+from war.types import GenRequest, GenResult, ReplicaLoad
+
+_TORCH_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+class Detokenizer(Protocol):
+    """What the engine needs of a tokenizer: text of token ids (for stop strings)."""
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass
+class _Plan:
+    """One sequence's part of a step."""
+
+    seq: Sequence
+    num_new: int  # tokens fed (pending/prefill chunk, plus drafts)
+    num_logits: int
+    draft_tokens: np.ndarray  # draft token ids fed after the pending token
+    draft_parents: np.ndarray
+    draft_probs: np.ndarray
+
+
+class Engine:
+    """One replica: continuous batching with prefix caching and load-aware
+    speculation. Not thread-safe; one loop calls ``step()``."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        config: EngineConfig | None = None,
+        tokenizer: Detokenizer | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.config = config if config is not None else EngineConfig()
+        cfg = self.config
+        self.device = torch.device(cfg.device)
+        self.dtype = _TORCH_DTYPES[cfg.dtype]
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model_config = model.config
+        self.tokenizer = tokenizer
+        self._clock = clock
+        mc = self.model_config
+        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        num_blocks = cfg.num_kv_blocks or KVCache.blocks_for_bytes(
+            mc, cfg.kv_cache_bytes, cfg.block_size, self.dtype)
+        self.kv = KVCache.for_model(mc, num_blocks, cfg.block_size, self.dtype, self.device)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.speculator = SuffixSpeculator(cfg.spec)
+        self.drafts = TrajectoryDrafts(self.speculator, cfg.max_idle_trajectories)
+        # Prefill tokens count as useful work: a step that carries a large prefill
+        # chunk is not a reason to verify long, unlikely drafts.
+        self.policy = SpecPolicy(SpecPolicyConfig(
+            mode=cfg.spec_mode, max_spec_tokens_per_seq=cfg.spec.max_spec_tokens,
+            prefill_token_value=1.0))
+        self.stats = EngineStats()
+        self.weight_version = 0
+        self._generator = torch.Generator().manual_seed(cfg.seed)
+        self._seqs: dict[str, Sequence] = {}
+        self._arrivals = 0
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, config: EngineConfig | None = None,
+        tokenizer: Detokenizer | None = None,
+    ) -> Engine:
+        """Loads a Hugging Face folder (``config.json``, ``*.safetensors``); the
+        tokenizer (``tokenizer.json``) is loaded too when present and not given."""
+        cfg = config if config is not None else EngineConfig()
+        model = load_model(path, dtype=_TORCH_DTYPES[cfg.dtype], device=cfg.device)
+        if tokenizer is None and (Path(path) / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+        return cls(model, cfg, tokenizer)
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, request: GenRequest) -> None:
+        """Queues a request; raises ValueError (naming it) if it cannot be served."""
+        rid = request.request_id
+        if rid in self._seqs:
+            raise ValueError(f"request {rid} is already in flight")
+        vocab = self.model_config.vocab_size
+        for t in request.prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(
+                    f"request {rid}: token id {t!r} outside the vocabulary [0, {vocab})")
+        sp = request.sampling
+        for t in sp.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"request {rid}: stop token id {t} outside the vocabulary")
+        total = len(request.prompt_ids) + sp.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"request {rid}: prompt ({len(request.prompt_ids)}) + max_tokens "
+                f"({sp.max_tokens}) = {total} exceeds the context length {self.max_model_len}")
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if total > capacity:
+            raise ValueError(
+                f"request {rid}: {total} tokens exceed the KV cache ({capacity} tokens)")
+        if sp.stop and self.tokenizer is None:
+            raise ValueError(f"request {rid}: stop strings need an engine with a tokenizer")
+        sid = self.drafts.begin(request.prompt_ids, request.trajectory_id, request.group_id)
+        self._arrivals += 1
+        seq = Sequence(request, sid, self._arrivals,
+                       make_generator(sp.seed, self._generator), self._clock())
+        self._seqs[rid] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> GenResult | None:
+        """Stops a request; returns its partial result (None if unknown)."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        seq.finish_reason = "abort"
+        self.stats.num_aborted += 1
+        return self._finish(seq, commit=False)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    def generate(self, requests: Iterable[GenRequest]) -> list[GenResult]:
+        """Runs requests to completion; results in the order given."""
+        reqs = list(requests)
+        for r in reqs:
+            self.add_request(r)
+        wanted = {r.request_id for r in reqs}
+        done: dict[str, GenResult] = {}
+        while wanted - done.keys():
+            for res in self.step():
+                done[res.request_id] = res
+        return [done[r.request_id] for r in reqs]
+
+    # ------------------------------------------------------------ history and weights
+
+    def add_history(self, token_ids: Seq[int], group_id: str | None = None) -> None:
+        """Adds a completed response (from another replica) to the draft history."""
+        self.speculator.add_history(list(token_ids), group_id)
+
+    def observe_rl_step(self, rl_step: int) -> None:
+        """Advances the draft history's sliding window of RL steps."""
+        self.speculator.observe_step(rl_step)
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | str | Path) -> int:
+        """Replaces the model's weights (a state dict or a Hugging Face folder).
+
+        In-flight sequences are preempted and recomputed with the new weights;
+        the prefix cache is cleared. Returns the new weight version."""
+        if isinstance(weights, (str, Path)):
+            weights = load_model(weights, dtype=self.dtype, device=self.device).state_dict()
+        self.model.load_weights(weights)  # validates before changing anything
+        self.stats.num_preemptions += len(self.scheduler.preempt_all())
+        self.blocks.clear_cache()
+        self.weight_version += 1
+        return self.weight_version
+
+    # ------------------------------------------------------------ load
+
+    def load(self) -> ReplicaLoad:
+        running = self.scheduler.running
+        waiting = self.scheduler.waiting
+        in_flight = sum(s.num_tokens for s in running) + sum(s.num_tokens for s in waiting)
+        return ReplicaLoad(
+            num_running=len(running), num_waiting=len(waiting), tokens_in_flight=in_flight,
+            kv_blocks_used=self.blocks.num_used_blocks, kv_blocks_total=self.kv.num_blocks,
+            block_size=self.kv.block_size,
+            spec_tokens_per_seq=self.stats.last_spec_tokens / max(self.stats.last_num_seqs, 1),
+            weight_version=self.weight_version,
+        )
+
+    # ------------------------------------------------------------ the step
+
+    def step(self) -> list[GenResult]:
+        """Runs one forward pass over the scheduled batch; returns finished requests."""
+        t0 = self._clock()
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions += len(sched.preempted)
+        if sched.is_empty:
+            return []
+        plans = [self._prefill_plan(seq, n) for seq, n in sched.prefills]
+        context = sum(s.num_computed + n for s, n in sched.prefills)
+        context += sum(s.num_computed + 1 for s in sched.decodes)
+        plans += self._decode_plans(sched.decodes, sched.num_batched_tokens, context)
+        inputs = [self._seq_input(p) for p in plans]
+        with torch.inference_mode():
+            logits = self.model.forward(build_batch(inputs, self.device), self.kv)
+        finished: list[GenResult] = []
+        row = 0
+        for plan in plans:
+            rows = logits[row: row + plan.num_logits]
+            row += plan.num_logits
+            res = self._postprocess(plan, rows)
+            if res is not None:
+                finished.append(res)
+        elapsed = self._clock() - t0
+        batch_tokens = sum(p.num_new for p in plans)
+        num_drafts = sum(len(p.draft_tokens) for p in plans)
+        self.policy.observe_step(batch_tokens, context + num_drafts, elapsed)
+        st = self.stats
+        st.num_steps += 1
+        st.total_step_s += elapsed
+        st.last_step_s = elapsed
+        st.last_batch_tokens = batch_tokens
+        st.last_num_seqs = len(plans)
+        st.last_spec_tokens = num_drafts
+        st.total_spec_budget += st.last_spec_tokens
+        return finished
+
+    def _prefill_plan(self, seq: Sequence, n: int) -> _Plan:
+        if seq.first_scheduled_s is None:
+            seq.first_scheduled_s = self._clock()
+        completes = seq.num_computed + n == seq.num_tokens
+        empty_i = np.zeros(0, dtype=np.int64)
+        return _Plan(seq, n, 1 if completes else 0, empty_i, empty_i, np.zeros(0))
+
+    def _decode_plans(
+        self, decodes: list[Sequence], base_tokens: int, context: int
+    ) -> list[_Plan]:
+        empty_i = np.zeros(0, dtype=np.int64)
+        if not decodes:
+            return []
+        if self.config.spec_mode == "off":
+            return [_Plan(s, 1, 1, empty_i, empty_i, np.zeros(0)) for s in decodes]
+        drafts = self.drafts.propose([s.spec_id for s in decodes], self.config.spec.max_spec_tokens)
+        offsets = drafts.offsets
+        probs: list[np.ndarray] = []
+        for i, seq in enumerate(decodes):
+            # Never draft past the request's last token (one more comes from the model).
+            room = seq.request.sampling.max_tokens - seq.num_output - 1
+            a, b = int(offsets[i]), int(offsets[i + 1])
+            probs.append(drafts.probs[a: a + max(0, min(b - a, room))])
+        chosen = self.policy.choose(probs, base_tokens, context)
+        room_tokens = self.config.max_num_batched_tokens - base_tokens
+        plans = []
+        for i, seq in enumerate(decodes):
+            k = int(min(int(chosen[i]), len(probs[i]), max(room_tokens, 0)))
+            if k > 0:
+                k = min(k, self.scheduler.reserve(seq, seq.num_tokens + k) - seq.num_tokens)
+            k = max(k, 0)
+            room_tokens -= k
+            a = int(offsets[i])
+            plans.append(_Plan(
+                seq, 1 + k, 1 + k,
+                drafts.token_ids[a: a + k].astype(np.int64),
+                drafts.parents[a: a + k].astype(np.int64),
+                probs[i][:k],
+            ))
+        return plans
+
+    def _seq_input(self, plan: _Plan) -> SeqInput:
+        seq = plan.seq
+        bs = self.kv.block_size
+        table = seq.block_table
+        start = seq.num_computed
+        k = len(plan.draft_tokens)
+        n_base = plan.num_new - k
+        tokens = seq.token_ids[start: start + n_base] + plan.draft_tokens.tolist()
+        positions = list(range(start, start + n_base))
+        parents: list[int] | None = None
+        if k:
+            depth = np.zeros(k, dtype=np.int64)
+            for j, p in enumerate(plan.draft_parents.tolist()):
+                depth[j] = 1 if p < 0 else depth[p] + 1
+            positions += (start + depth).tolist()  # start is the pending token's position
+            parents = [-1] + [(0 if p < 0 else p + 1) for p in plan.draft_parents.tolist()]
+        # A new token at flat index i is written to the slot of position start + i.
+        new_pos = np.arange(start, start + plan.num_new)
+        tbl = np.asarray(table, dtype=np.int64)
+        new_slots = tbl[new_pos // bs] * bs + new_pos % bs
+        cached_pos = np.arange(start)
+        cached_slots = tbl[cached_pos // bs] * bs + cached_pos % bs
+        return SeqInput(tokens, positions, new_slots.tolist(), cached_slots.tolist(), parents,
+                        plan.num_logits)
+
+    def _postprocess(self, plan: _Plan, rows: torch.Tensor) -> GenResult | None:
+        seq = plan.seq
+        if plan.num_logits == 0:  # a prefill chunk that does not reach the end yet
+            seq.num_computed += plan.num_new
+            self.scheduler.publish(seq)
+            return None
+        sp = seq.request.sampling
+        start = seq.num_computed  # the first fed token's position
+        k = len(plan.draft_tokens)
+        ver = verify_tree(rows, plan.draft_tokens.tolist(), plan.draft_parents.tolist(), sp,
+                          seq.generator)
+        m = len(ver.accepted)
+        if k:
+            accepted = np.zeros(k, dtype=bool)
+            accepted[list(ver.accepted)] = True
+            self.policy.observe_verification(plan.draft_probs.tolist(), accepted.tolist())
+            seq.num_draft_tokens += k
+            seq.num_accepted_tokens += m
+            self.stats.num_draft_tokens += k
+            self.stats.num_accepted_tokens += m
+            # Move accepted tree nodes' KV to the positions they now hold.
+            pos0 = start + 1
+            src = [pos0 + a for a in ver.accepted]
+            dst = [pos0 + j for j in range(m)]
+            if src != dst:
+                self.kv.copy_slots(self._slots(seq, src), self._slots(seq, dst))
+        tokens, logprobs, stopped = truncate(
+            list(ver.tokens), list(ver.logprobs), sp.stop_token_ids, sp.max_tokens - seq.num_output)
+        fed_end = start + plan.num_new - k  # positions < fed_end have KV now
+        seq.num_computed = fed_end + min(len(tokens), m)
+        seq.token_ids.extend(tokens)
+        seq.logprobs.extend(logprobs)
+        if sp.stop and not stopped:
+            cut = self._stop_string_cut(seq, len(tokens))
+            if cut is not None:
+                drop = len(tokens) - cut
+                if drop:
+                    del seq.token_ids[-drop:]
+                    del seq.logprobs[-drop:]
+                    tokens = tokens[:cut]
+                seq.num_computed = min(seq.num_computed, seq.num_tokens)
+                stopped = True
+        seq.num_forward_passes += 1
+        self.stats.num_decode_passes += 1
+        self.stats.num_generated_tokens += len(tokens)
+        if tokens:
+            self.drafts.extend(seq.spec_id, tokens)
+        self.scheduler.trim(seq, seq.num_tokens)
+        self.scheduler.publish(seq)
+        if stopped or seq.num_output >= sp.max_tokens:
+            seq.finish_reason = "stop" if stopped else "length"
+            return self._finish(seq, commit=True)
+        return None
+
+    def _stop_string_cut(self, seq: Sequence, num_new: int) -> int | None:
+        """How many of the ``num_new`` newest tokens to keep if a stop string
+        completed among them (None: no stop string)."""
+        assert self.tokenizer is not None
+        out = seq.output_ids
+        stops = seq.request.sampling.stop
+        if not any(s in self.tokenizer.decode(out) for s in stops):
+            return None
+        base = len(out) - num_new
+        for j in range(1, num_new + 1):
+            text = self.tokenizer.decode(out[: base + j])
+            if any(s in text for s in stops):
+                return j
+        return num_new
+
+    def _slots(self, seq: Sequence, positions: list[int]) -> torch.Tensor:
+        bs = self.kv.block_size
+        pos = np.asarray(positions, dtype=np.int64)
+        slots = np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
+        return torch.from_numpy(slots).to(self.device)
+
+    def _finish(self, seq: Sequence, commit: bool) -> GenResult:
+        self.scheduler.finish(seq)
+        self.drafts.end(seq.spec_id, seq.request.trajectory_id, commit=commit)
+        del self._seqs[seq.request_id]
+        if seq.finish_reason != "abort":
+            self.stats.num_finished += 1
+        self.stats.num_prompt_tokens += seq.num_prompt
+        self.stats.num_cached_prompt_tokens += seq.num_cached_tokens
+        return seq.result(self.weight_version, self._clock())
+
+    def check_integrity(self) -> None:
+        """Expensive consistency checks (for tests)."""
+        self.blocks.check_integrity()
+        self.speculator.check_integrity()
+        for seq in self.scheduler.running:
+            assert seq.status is SeqStatus.RUNNING, f"request {seq.request_id} not running"
+            assert len(seq.block_table) * self.kv.block_size >= seq.num_computed, (
+                f"request {seq.request_id} lacks blocks for its KV")

@@ -1,0 +1,259 @@
+"""The engine end to end on tiny float64 models: lossless speculation,
+prefix reuse, preemption, weight reload, bad input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from war.engine.config import EngineConfig
+from war.engine.engine import Engine
+from war.engine.model import CausalLM
+from war.spec.config import SpecConfig
+from war.types import GenRequest, GenResult, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+
+
+def make_engine(model: CausalLM, **kw: object) -> Engine:
+    cfg = EngineConfig(dtype="float64", block_size=kw.pop("block_size", 4),  # type: ignore[arg-type]
+                       num_kv_blocks=kw.pop("num_kv_blocks", 256), **kw)  # type: ignore[arg-type]
+    return Engine(model, cfg)
+
+
+def prompts(seed: int, n: int, vocab: int = 97) -> list[tuple[int, ...]]:
+    """Prompts with repeated patterns, so that suffix drafts get proposed."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        pattern = [rng.randrange(vocab) for _ in range(rng.randint(2, 6))]
+        noise = [rng.randrange(vocab) for _ in range(rng.randint(0, 9))]
+        body = pattern * rng.randint(2, 6) + noise
+        out.append(tuple(body[: rng.randint(3, len(body))]))
+    return out
+
+
+def run(engine: Engine, reqs: list[GenRequest], stagger: int = 0) -> dict[str, GenResult]:
+    """Runs requests, adding them ``stagger`` steps apart (0: all at once)."""
+    pending = list(reqs)
+    done: dict[str, GenResult] = {}
+    for _ in range(10_000):
+        if pending and (stagger == 0 or engine.stats.num_steps % stagger == 0):
+            batch = pending if stagger == 0 else pending[:1]
+            for r in batch:
+                engine.add_request(r)
+            pending = pending[len(batch):]
+        for res in engine.step():
+            done[res.request_id] = res
+        if not pending and not engine.has_unfinished():
+            break
+    assert len(done) == len(reqs)
+    engine.check_integrity()
+    return done
+
+
+def requests(ps: list[tuple[int, ...]], sp: SamplingParams = GREEDY) -> list[GenRequest]:
+    return [GenRequest(f"r{i}", p, sp, group_id=f"g{i % 3}") for i, p in enumerate(ps)]
+
+
+def assert_same(a: dict[str, GenResult], b: dict[str, GenResult]) -> None:
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert a[rid].output_ids == b[rid].output_ids, rid
+        assert a[rid].finish_reason == b[rid].finish_reason, rid
+        assert a[rid].logprobs == pytest.approx(b[rid].logprobs, abs=1e-9), rid
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_greedy_speculation_is_lossless(model64: CausalLM, tree: bool, seed: int) -> None:
+    ps = prompts(seed, 7)
+    spec = SpecConfig.tree_preset() if tree else SpecConfig()
+    spec = SpecConfig(**{**spec.__dict__, "min_prob": 0.0, "max_spec_tokens": 8})
+    base = run(make_engine(model64, spec_mode="off"), requests(ps), stagger=seed)
+    eng = make_engine(model64, spec_mode="always", spec=spec)
+    spec_out = run(eng, requests(ps), stagger=seed)
+    assert_same(base, spec_out)
+    assert eng.stats.num_draft_tokens > 0 and eng.stats.num_accepted_tokens > 0
+    assert eng.stats.tokens_per_step > 1.0
+
+
+def test_greedy_lossless_under_preemption(model64: CausalLM) -> None:
+    ps = prompts(7, 10)
+    base = run(make_engine(model64, spec_mode="off"), requests(ps))
+    spec = SpecConfig(min_prob=0.0, max_spec_tokens=6)
+    # 24 blocks of 4 tokens: far too few for ten sequences of up to ~75 tokens.
+    eng = make_engine(model64, spec_mode="always", spec=spec, num_kv_blocks=24,
+                      max_num_batched_tokens=32)
+    out = run(eng, requests(ps))
+    assert_same(base, out)
+    assert eng.stats.num_preemptions > 0
+    assert sum(r.num_preemptions for r in out.values()) == eng.stats.num_preemptions
+
+
+def test_auto_mode_is_lossless_and_counts(model64: CausalLM) -> None:
+    ps = prompts(11, 5)
+    base = run(make_engine(model64, spec_mode="off"), requests(ps))
+    eng = make_engine(model64, spec_mode="auto")
+    out = run(eng, requests(ps))
+    assert_same(base, out)
+    for r in out.values():
+        assert len(r.output_ids) == len(r.logprobs) == GREEDY.max_tokens
+        assert r.finish_reason == "length"
+        assert 1 <= r.num_forward_passes <= len(r.output_ids)
+    st = eng.stats
+    assert st.num_generated_tokens == sum(len(r.output_ids) for r in out.values())
+    assert st.num_decode_passes == sum(r.num_forward_passes for r in out.values())
+
+
+def test_prefix_cache_reuse_and_multi_turn(model64: CausalLM) -> None:
+    eng = make_engine(model64, spec_mode="off")
+    prompt = tuple(range(1, 23))  # 22 tokens = 5 full blocks of 4 + 2
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    first = eng.generate([GenRequest("a", prompt, sp, trajectory_id="t")])[0]
+    assert first.num_cached_tokens == 0
+    second = eng.generate([GenRequest("b", prompt, sp)])[0]
+    assert second.num_cached_tokens == 20  # whole blocks, leaving one token to compute
+    assert second.output_ids == first.output_ids
+    # The next turn re-sends the whole context plus new tokens: earlier turns are cached.
+    turn2 = prompt + first.output_ids + (5, 6, 7)
+    third = eng.generate([GenRequest("c", turn2, sp, trajectory_id="t")])[0]
+    assert third.num_cached_tokens == (len(prompt) + len(first.output_ids) - 1) // 4 * 4
+    assert eng.stats.prefix_hit_rate == pytest.approx(
+        (20 + third.num_cached_tokens) / (2 * len(prompt) + len(turn2)))
+
+
+def test_weight_reload_clears_cache_and_bumps_version(model64: CausalLM) -> None:
+    eng = make_engine(model64, spec_mode="off")
+    prompt = tuple(range(3, 30))
+    sp = SamplingParams(temperature=0.0, max_tokens=5)
+    eng.generate([GenRequest("a", prompt, sp)])
+    other = tiny_model(5)
+    assert eng.load_weights(other.state_dict()) == 1
+    res = eng.generate([GenRequest("b", prompt, sp)])[0]
+    assert res.num_cached_tokens == 0 and res.weight_version == 1
+    fresh = make_engine(tiny_model(5), spec_mode="off").generate([GenRequest("x", prompt, sp)])[0]
+    assert res.output_ids == fresh.output_ids
+
+
+def test_weight_reload_mid_flight_recomputes(model64: CausalLM) -> None:
+    eng = make_engine(model64, spec_mode="off")
+    sp = SamplingParams(temperature=0.0, max_tokens=12)
+    eng.add_request(GenRequest("a", tuple(range(5, 20)), sp))
+    for _ in range(4):
+        eng.step()
+    eng.load_weights(tiny_model(9).state_dict())
+    out = []
+    while eng.has_unfinished():
+        out += eng.step()
+    assert [r.request_id for r in out] == ["a"]
+    assert out[0].weight_version == 1 and out[0].num_preemptions == 1
+    assert len(out[0].output_ids) == 12
+    eng.check_integrity()
+
+
+def test_priority_orders_the_queue(model64: CausalLM) -> None:
+    eng = make_engine(model64, spec_mode="off", max_num_seqs=1)
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
+    eng.add_request(GenRequest("low", (1, 2, 3), sp, priority=0.0))
+    eng.add_request(GenRequest("high", (4, 5, 6), sp, priority=5.0))
+    order = []
+    while eng.has_unfinished():
+        order += [r.request_id for r in eng.step()]
+    assert order == ["high", "low"]
+
+
+def test_sampling_with_seed_is_reproducible_and_speculation_keeps_logprobs(
+    model64: CausalLM,
+) -> None:
+    ps = prompts(5, 4)
+    sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=123)
+    a = run(make_engine(model64, spec_mode="off"), requests(ps, sp))
+    b = run(make_engine(model64, spec_mode="off"), requests(ps, sp))
+    assert_same(a, b)
+    eng = make_engine(model64, spec_mode="always", spec=SpecConfig(min_prob=0.0))
+    c = run(eng, requests(ps, sp))
+    # Logprobs are the model's: rescoring the sampled tokens without drafts gives them.
+    for rid, res in c.items():
+        i = int(rid[1:])
+        ctx = torch.tensor([list(ps[i]) + list(res.output_ids)])
+        with torch.inference_mode():
+            logits = model64.forward_dense(ctx)[0]
+        lp = torch.log_softmax(logits, -1)
+        want = [lp[len(ps[i]) - 1 + j, t].item() for j, t in enumerate(res.output_ids)]
+        assert res.logprobs == pytest.approx(want, abs=1e-9)
+
+
+def test_stop_tokens_and_stop_strings(model64: CausalLM) -> None:
+    class CharTokenizer:
+        def decode(self, ids: list[int]) -> str:
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    eng = make_engine(model64, spec_mode="off")
+    prompt = (1, 2, 3, 4)
+    free = eng.generate([GenRequest("f", prompt, GREEDY)])[0].output_ids
+    stop_tok = free[5]
+    first = free.index(stop_tok)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=(stop_tok,))
+    res = eng.generate([GenRequest("s", prompt, sp)])[0]
+    assert res.output_ids == free[: first + 1] and res.finish_reason == "stop"
+    eng2 = Engine(model64, EngineConfig(dtype="float64", block_size=4, num_kv_blocks=64),
+                  tokenizer=CharTokenizer())
+    text = CharTokenizer().decode(list(free))
+    stop = text[6:8]
+    res2 = eng2.generate([GenRequest(
+        "t", prompt, SamplingParams(temperature=0.0, max_tokens=40, stop=(stop,)))])[0]
+    assert res2.finish_reason == "stop"
+    got = CharTokenizer().decode(list(res2.output_ids))
+    assert got.endswith(stop) and stop not in got[:-1]
+
+
+def test_bad_requests_raise_and_engine_keeps_working(model64: CausalLM) -> None:
+    eng = make_engine(model64, spec_mode="off", num_kv_blocks=64)
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.add_request(GenRequest("v", (1, 97), sp))
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.add_request(GenRequest("n", (1, -1), sp))
+    with pytest.raises(ValueError, match="context length"):
+        eng.add_request(GenRequest("c", (1,) * 500, SamplingParams(max_tokens=100)))
+    with pytest.raises(ValueError, match="KV cache"):
+        eng.add_request(GenRequest("k", (1,) * 250, SamplingParams(max_tokens=10)))
+    with pytest.raises(ValueError, match="tokenizer"):
+        eng.add_request(GenRequest("s", (1, 2), SamplingParams(max_tokens=4, stop=("x",))))
+    eng.add_request(GenRequest("ok", (1, 2, 3), sp))
+    with pytest.raises(ValueError, match="already in flight"):
+        eng.add_request(GenRequest("ok", (1, 2, 3), sp))
+    out = []
+    while eng.has_unfinished():
+        out += eng.step()
+    assert [r.request_id for r in out] == ["ok"] and len(out[0].output_ids) == 4
+    assert eng.stats.num_finished == 1
+
+
+def test_abort_returns_partial_result(model64: CausalLM) -> None:
+    eng = make_engine(model64, spec_mode="off")
+    eng.add_request(GenRequest("a", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=30)))
+    for _ in range(5):
+        eng.step()
+    res = eng.abort("a")
+    assert res is not None and res.finish_reason == "abort" and 0 < len(res.output_ids) < 30
+    assert eng.abort("a") is None
+    assert not eng.has_unfinished()
+    eng.check_integrity()
+    assert eng.blocks.num_used_blocks == 0
+
+
+def test_load_reports_in_flight_work(model64: CausalLM) -> None:
+    eng = make_engine(model64, spec_mode="off", max_num_seqs=2)
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    for i in range(4):
+        eng.add_request(GenRequest(f"r{i}", (1, 2, 3, 4, 5), sp))
+    eng.step()
+    load = eng.load()
+    assert load.num_running == 2 and load.num_waiting == 2
+    assert load.kv_blocks_used > 0 and load.kv_blocks_total == 256
+    assert load.tokens_in_flight >= 20
