@@ -257,3 +257,44 @@ def test_load_reports_in_flight_work(model64: CausalLM) -> None:
     assert load.num_running == 2 and load.num_waiting == 2
     assert load.kv_blocks_used > 0 and load.kv_blocks_total == 256
     assert load.tokens_in_flight >= 20
+
+
+def test_speculative_sampling_matches_the_model_distribution() -> None:
+    """Chi-square over the first two sampled tokens of a 6-token model, with drafts
+    verified every step, against the exact distribution computed densely."""
+    from test_verify import chi_square_p
+
+    from war.engine.sampling import sampling_probs
+
+    model = tiny_model(3, torch.float64, vocab_size=6)
+    prompt = (1, 2, 3, 1, 2, 3, 1, 2)
+    sp = SamplingParams(temperature=0.3, max_tokens=3)  # the second token may be a draft's
+    with torch.inference_mode():
+        p1 = sampling_probs(model.forward_dense(torch.tensor([prompt]))[0, -1:], sp)[0]
+        ctx = torch.tensor([[*prompt, t] for t in range(6)])
+        p2 = sampling_probs(model.forward_dense(ctx)[:, -1], sp)
+    expected = {(a, b): float(p1[a] * p2[a, b]) for a in range(6) for b in range(6)}
+    eng = make_engine(model, spec_mode="always", spec=SpecConfig(min_prob=0.0),
+                      max_num_seqs=256, max_num_batched_tokens=4096, num_kv_blocks=2048)
+    total = 3000
+    counts: dict[tuple[int, int], int] = {}
+    for start in range(0, total, 250):
+        reqs = [GenRequest(f"s{i}", prompt, sp, group_id="g") for i in range(start, start + 250)]
+        for res in eng.generate(reqs):
+            pair = (res.output_ids[0], res.output_ids[1])
+            counts[pair] = counts.get(pair, 0) + 1
+    assert eng.stats.num_draft_tokens >= total // 2  # drafts were verified, not skipped
+    assert 0 < eng.stats.num_accepted_tokens < eng.stats.num_draft_tokens
+    assert chi_square_p(counts, expected, total) > 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_runs_in_lower_precision(dtype: str) -> None:
+    model = tiny_model(4, torch.float32)
+    eng = Engine(model, EngineConfig(dtype=dtype, block_size=8, num_kv_blocks=64,
+                                     spec_mode="always", spec=SpecConfig(min_prob=0.0)))
+    assert eng.kv.dtype == getattr(torch, dtype)
+    res = eng.generate(requests(prompts(3, 3), SamplingParams(temperature=0.7, max_tokens=12)))
+    for r in res:
+        assert len(r.output_ids) == 12 and all(lp <= 0.0 for lp in r.logprobs)
+    eng.check_integrity()

@@ -35,7 +35,7 @@ from war.engine.scheduler import Scheduler
 from war.engine.sequence import SeqStatus, Sequence
 from war.engine.spec_policy import SpecPolicy, SpecPolicyConfig
 from war.engine.stats import EngineStats
-from war.engine.verify import truncate, verify_tree
+from war.engine.verify import TreeRows, Verified, truncate, verify_batch
 from war.spec.speculator import SuffixSpeculator
 from war.types import GenRequest, GenResult, ReplicaLoad
 
@@ -232,12 +232,18 @@ class Engine:
         inputs = [self._seq_input(p) for p in plans]
         with torch.inference_mode():
             logits = self.model.forward(build_batch(inputs, self.device), self.kv)
+        # One batched verification for every sequence that samples this step.
+        sampling = [p for p in plans if p.num_logits]
+        trees, row = [], 0
+        for p in sampling:
+            trees.append(TreeRows(row, p.draft_tokens.tolist(), p.draft_parents.tolist()))
+            row += p.num_logits
+        verified = verify_batch(logits, trees, [p.seq.request.sampling for p in sampling],
+                                [p.seq.generator for p in sampling])
+        outcome = dict(zip((id(p) for p in sampling), verified, strict=True))
         finished: list[GenResult] = []
-        row = 0
         for plan in plans:
-            rows = logits[row: row + plan.num_logits]
-            row += plan.num_logits
-            res = self._postprocess(plan, rows)
+            res = self._postprocess(plan, outcome.get(id(plan)))
             if res is not None:
                 finished.append(res)
         elapsed = self._clock() - t0
@@ -320,17 +326,15 @@ class Engine:
         return SeqInput(tokens, positions, new_slots.tolist(), cached_slots.tolist(), parents,
                         plan.num_logits)
 
-    def _postprocess(self, plan: _Plan, rows: torch.Tensor) -> GenResult | None:
+    def _postprocess(self, plan: _Plan, ver: Verified | None) -> GenResult | None:
         seq = plan.seq
-        if plan.num_logits == 0:  # a prefill chunk that does not reach the end yet
+        if ver is None:  # a prefill chunk that does not reach the end yet
             seq.num_computed += plan.num_new
             self.scheduler.publish(seq)
             return None
         sp = seq.request.sampling
         start = seq.num_computed  # the first fed token's position
         k = len(plan.draft_tokens)
-        ver = verify_tree(rows, plan.draft_tokens.tolist(), plan.draft_parents.tolist(), sp,
-                          seq.generator)
         m = len(ver.accepted)
         if k:
             accepted = np.zeros(k, dtype=bool)
