@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from war.cli import spec
+from war.cli import serve, spec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     spec.add_demo_command(commands)
     spec.add_spec_command(commands)
+    serve.add_serve_command(commands)
     return parser
 
 

@@ -1,0 +1,125 @@
+"""`war serve`: one replica behind the OpenAI-compatible HTTP API.
+
+Knows the options of the command, how they map to an ``EngineConfig``, and how to
+run the app with uvicorn on one event loop with the engine's thread started
+before and closed after serving. Binds 127.0.0.1 unless told otherwise. The API
+key comes from ``--api-key`` or the environment variable ``WAR_API_KEY``.
+
+Does not know the HTTP API (``war.engine.server``) nor how the engine works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
+
+from war.engine.config import DTYPES, SPEC_MODES
+
+if TYPE_CHECKING:
+    from war.engine.engine import Engine
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+MISSING_MODEL_STATUS = 2
+
+
+def add_serve_command(commands: Subparsers) -> None:
+    p = commands.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (one replica)",
+        description="Loads a Hugging Face model folder (config.json, *.safetensors, optional "
+        "tokenizer.json) and serves POST /v1/completions, /health, /v1/models, /v1/load, "
+        "/v1/history and /metrics.",
+    )
+    p.add_argument("--model", required=True, type=Path, metavar="FOLDER",
+                   help="Hugging Face model folder")
+    p.add_argument("--served-model-name", default="war", metavar="NAME",
+                   help="the model name clients send (default: war)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: $WAR_API_KEY, if set)")
+    p.add_argument("--spec-mode", choices=SPEC_MODES, default="auto",
+                   help="speculation: load-aware (auto), always or off")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights, activations, KV")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1...)")
+    p.add_argument("--kv-cache-mb", type=int, default=256, metavar="MB",
+                   help="memory of the paged KV cache in MiB (default: 256)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in a step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most tokens in one forward pass")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (default: the model's max_position_embeddings)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
+    p.set_defaults(run=run_serve)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    folder: Path = args.model
+    if not folder.is_dir():
+        print(f"war: error: model folder not found: {folder}", file=sys.stderr)
+        return MISSING_MODEL_STATUS
+    if not (folder / "config.json").is_file():
+        print(f"war: error: {folder} has no config.json (not a Hugging Face model folder)",
+              file=sys.stderr)
+        return MISSING_MODEL_STATUS
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65536), got {args.port}")
+    if args.kv_cache_mb < 1:
+        raise ValueError(f"--kv-cache-mb must be >= 1, got {args.kv_cache_mb}")
+    api_key: str | None = args.api_key or os.environ.get("WAR_API_KEY") or None
+    if api_key is None and not _is_loopback(args.host):
+        print(f"war: warning: serving on {args.host} without an API key "
+              "(set --api-key or WAR_API_KEY)", file=sys.stderr)
+
+    # Heavy imports (torch, fastapi) only once the arguments are known to be sane.
+    from war.engine.config import EngineConfig
+    from war.engine.engine import Engine
+
+    config = EngineConfig(
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_mb * 1024 * 1024,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        spec_mode=args.spec_mode,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+    )
+    engine = Engine.from_pretrained(folder, config)
+    asyncio.run(_serve(engine, args.served_model_name, api_key, args.host, args.port,
+                       args.log_level))
+    return 0
+
+
+async def _serve(engine: Engine, model_name: str, api_key: str | None, host: str, port: int,
+                 log_level: str) -> None:
+    import uvicorn
+
+    from war.engine.async_engine import AsyncEngine
+    from war.engine.server import create_app
+
+    async with AsyncEngine(engine) as async_engine:
+        app = create_app(async_engine, model_name=model_name, api_key=api_key)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                access_log=False)
+        await uvicorn.Server(config).serve()

@@ -1,0 +1,494 @@
+"""The HTTP edge of one replica: an OpenAI-compatible completions API.
+
+Knows: the request and response shapes of ``POST /v1/completions`` (token-id
+prompts first; strings when the engine has a tokenizer) and WAR's extensions
+(trajectory/group ids, priority, per-request speculation figures), how each
+field maps to a ``GenRequest``, how mistakes are reported (a 4xx with an
+OpenAI-style ``{"error": {...}}`` body; the server keeps serving), the side
+endpoints (``/health``, ``/v1/models``, ``/v1/load``, ``/v1/history``,
+``/metrics``), bearer-token auth, and that a request whose client hung up is
+aborted in the engine.
+
+Does not know how generation works (``AsyncEngine`` drives the ``Engine``), how
+metrics are named (``war.engine.metrics``), or how the process is started
+(``war.cli.serve``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from war.engine.async_engine import AsyncEngine, EngineClosedError, EngineLike, EngineStepError
+from war.engine.metrics import CONTENT_TYPE, ReplicaMetrics
+from war.types import GenRequest, GenResult, SamplingParams
+
+T = TypeVar("T")
+
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
+_LOGPROB_FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
+_MAX_ERRORS_SHOWN = 5
+
+
+class APIError(Exception):
+    """A request the server answers with an error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+
+
+def _error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": err.message, "type": err.type, "param": err.param,
+                      "code": err.code}}
+    return JSONResponse(body, status_code=err.status, headers=headers)
+
+
+class _Forbid(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CompletionRequest(_Forbid):
+    """The accepted body of ``POST /v1/completions`` (unknown fields are refused)."""
+
+    model: StrictStr | None = None
+    # token ids | list of token-id lists | text | list of texts; checked by the server,
+    # whose messages are clearer than those of a four-way union
+    prompt: Any
+    max_tokens: StrictInt | None = 16
+    temperature: StrictFloat | None = 1.0
+    top_p: StrictFloat | None = 1.0
+    top_k: StrictInt | None = -1
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    seed: StrictInt | None = None
+    logprobs: StrictBool | StrictInt | None = None
+    n: StrictInt = 1
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
+    echo: StrictBool = False
+    user: StrictStr | None = None
+    request_id: StrictStr | None = None
+    trajectory_id: StrictStr | None = None
+    group_id: StrictStr | None = None
+    priority: StrictFloat | None = None
+
+
+class HistoryItem(_Forbid):
+    token_ids: list[StrictInt]
+    group_id: StrictStr | None = None
+
+
+class HistoryRequest(_Forbid):
+    """``{token_ids, group_id}`` (one response) or ``{items: [...]}`` (several)."""
+
+    token_ids: list[StrictInt] | None = None
+    group_id: StrictStr | None = None
+    items: list[HistoryItem] | None = None
+
+
+class _BearerAuth:
+    """ASGI middleware: every HTTP path but ``OPEN_PATHS`` needs ``Bearer <api_key>``."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            auth = Headers(scope=scope).get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(
+                    token.strip().encode(), self._key):
+                err = APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                               "authentication_error", "invalid_api_key")
+                await _error_response(err, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    errors = list(exc.errors())
+    for e in errors[:_MAX_ERRORS_SHOWN]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        where = ".".join(loc) or "body"
+        if e.get("type") == "extra_forbidden":
+            parts.append(f"unknown field {where!r}")
+        else:
+            parts.append(f"{where}: {e.get('msg', 'invalid')}")
+    if len(errors) > _MAX_ERRORS_SHOWN:
+        parts.append(f"... ({len(errors) - _MAX_ERRORS_SHOWN} more)")
+    return "invalid request: " + "; ".join(parts)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client hangs up (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientDisconnected(Exception):
+    """The client hung up before its response was ready."""
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits ``work``; cancels it (aborting its requests) if the client hangs up."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and watch.done() and not watch.cancelled() \
+                and watch.exception() is None:
+            raise ClientDisconnected
+        return await task
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _generate_all(engine: AsyncEngine, requests: Sequence[GenRequest]) -> list[GenResult]:
+    """Generates every request; if one fails, the others are cancelled (aborted)."""
+    tasks = [asyncio.ensure_future(engine.generate(r)) for r in requests]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks)
+        raise
+
+
+def _is_token(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _finite_logprob(x: float) -> float | None:
+    if math.isnan(x):
+        return None
+    return max(x, _LOGPROB_FLOOR)
+
+
+class _Completions:
+    """Turns completion bodies into engine requests and results into responses."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        inner: EngineLike = engine.engine
+        self.vocab_size = inner.model_config.vocab_size
+        self.eos_ids = tuple(inner.model_config.eos_token_id)
+        self.max_model_len = inner.max_model_len
+        self.tokenizer = inner.tokenizer
+
+    # ---- requests
+
+    def _encode(self, text: str) -> list[int]:
+        encode = getattr(self.tokenizer, "encode", None)
+        if encode is None:
+            raise APIError(400, "text prompts need a server with a tokenizer; send token ids",
+                           param="prompt")
+        enc = encode(text)
+        ids = getattr(enc, "ids", enc)
+        return [int(t) for t in ids]
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        shape = ("prompt must be token ids (a list of ints), a list of such lists, "
+                 "a string or a list of strings")
+        prompts: list[list[int]]
+        if isinstance(prompt, str):
+            prompts = [self._encode(prompt)]
+        elif not isinstance(prompt, list):
+            raise APIError(400, f"{shape}; got {type(prompt).__name__}", param="prompt")
+        elif not prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        elif all(_is_token(t) for t in prompt):
+            prompts = [list(prompt)]
+        elif all(isinstance(p, str) for p in prompt):
+            prompts = [self._encode(p) for p in prompt]
+        elif all(isinstance(p, list) for p in prompt):
+            for i, p in enumerate(prompt):
+                bad = next((t for t in p if not _is_token(t)), None)
+                if bad is not None:
+                    raise APIError(400, f"prompt[{i}]: token ids must be ints, got {bad!r}",
+                                   param="prompt")
+            prompts = [list(p) for p in prompt]
+        else:
+            bad = next(t for t in prompt if not _is_token(t))
+            raise APIError(400, f"{shape}; got the element {bad!r}", param="prompt")
+        for i, ids in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if not ids:
+                raise APIError(400, f"{where} is empty", param="prompt")
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"{where}: token id {bad} outside the vocabulary "
+                               f"[0, {self.vocab_size})", param="prompt")
+        return prompts
+
+    def build(self, body: CompletionRequest, headers: Headers) -> tuple[str, list[GenRequest]]:
+        """The response id and one engine request per prompt (``<id>-<i>`` when several)."""
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist "
+                           f"(this server serves {self.model_name!r})",
+                           "not_found_error", "model_not_found", "model")
+        if body.n != 1:
+            raise APIError(400, f"n must be 1 (send the prompt again for more samples), "
+                           f"got {body.n}", param="n")
+        if body.stream:
+            raise APIError(400, "stream=true is not supported", param="stream")
+        if body.echo:
+            raise APIError(400, "echo=true is not supported", param="echo")
+        top_k = -1 if body.top_k is None else body.top_k
+        if top_k < -1:
+            raise APIError(400, f"top_k must be -1 or 0 (off) or >= 1, got {top_k}",
+                           param="top_k")
+        if body.logprobs is not None and not isinstance(body.logprobs, bool) \
+                and body.logprobs < 0:
+            raise APIError(400, f"logprobs must be >= 0, got {body.logprobs}", param="logprobs")
+        want_logprobs = body.logprobs is not None and body.logprobs is not False
+        stop_ids = list(body.stop_token_ids or [])
+        bad = next((t for t in stop_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"stop token id {bad} outside the vocabulary "
+                           f"[0, {self.vocab_size})", param="stop_token_ids")
+        if not body.ignore_eos:
+            stop_ids += [t for t in self.eos_ids if t not in stop_ids]
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if any(not s for s in stop):
+            raise APIError(400, "stop strings must be non-empty", param="stop")
+        if stop and self.tokenizer is None:
+            raise APIError(400, "stop strings need a server with a tokenizer; "
+                           "use stop_token_ids", param="stop")
+
+        rid = body.request_id or headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+        trajectory_id = body.trajectory_id or headers.get("x-trajectory-id")
+        group_id = body.group_id or headers.get("x-group-id")
+        priority = body.priority
+        if priority is None and "x-priority" in headers:
+            try:
+                priority = float(headers["x-priority"])
+            except ValueError:
+                raise APIError(400, f"X-Priority must be a number, got "
+                               f"{headers['x-priority']!r}", param="priority") from None
+        priority = 0.0 if priority is None else priority
+        if not math.isfinite(priority):
+            raise APIError(400, f"priority must be finite, got {priority}", param="priority")
+
+        prompts = self._prompts(body.prompt)
+        requests = []
+        for i, ids in enumerate(prompts):
+            max_tokens = body.max_tokens
+            if max_tokens is None:
+                max_tokens = self.max_model_len - len(ids)
+            if max_tokens < 1:
+                raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}",
+                               param="max_tokens")
+            if len(ids) + max_tokens > self.max_model_len:
+                raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
+                               f"exceeds the context length {self.max_model_len}",
+                               param="max_tokens")
+            try:
+                sampling = SamplingParams(
+                    temperature=1.0 if body.temperature is None else body.temperature,
+                    top_p=1.0 if body.top_p is None else body.top_p,
+                    top_k=max(top_k, 0),
+                    max_tokens=max_tokens,
+                    stop_token_ids=tuple(stop_ids),
+                    stop=tuple(stop),
+                    seed=body.seed,
+                    logprobs=want_logprobs,
+                )
+                requests.append(GenRequest(
+                    request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
+                    prompt_ids=tuple(ids), sampling=sampling, trajectory_id=trajectory_id,
+                    group_id=group_id, priority=priority,
+                ))
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+        return rid, requests
+
+    # ---- responses
+
+    def _piece(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        piece = str(self.tokenizer.decode([token_id]))
+        if not piece and hasattr(self.tokenizer, "id_to_token"):
+            piece = str(self.tokenizer.id_to_token(token_id) or "")
+        return piece
+
+    def respond(self, rid: str, results: Sequence[GenResult], want_logprobs: bool
+                ) -> dict[str, Any]:
+        choices = []
+        for i, r in enumerate(results):
+            text = "" if self.tokenizer is None else str(self.tokenizer.decode(list(r.output_ids)))
+            logprobs = None
+            if want_logprobs:
+                logprobs = {
+                    "tokens": [self._piece(t) for t in r.output_ids],
+                    "token_logprobs": [_finite_logprob(x) for x in r.logprobs],
+                }
+            choices.append({"index": i, "text": text, "token_ids": list(r.output_ids),
+                            "logprobs": logprobs, "finish_reason": r.finish_reason})
+        prompt_tokens = sum(r.num_prompt_tokens for r in results)
+        completion_tokens = sum(len(r.output_ids) for r in results)
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {
+                    "cached_tokens": sum(r.num_cached_tokens for r in results)},
+            },
+            "war": {
+                "forward_passes": sum(r.num_forward_passes for r in results),
+                "draft_tokens": sum(r.num_draft_tokens for r in results),
+                "accepted_tokens": sum(r.num_accepted_tokens for r in results),
+                "preemptions": sum(r.num_preemptions for r in results),
+                "weight_version": min(r.weight_version for r in results),
+                "queue_s": max(r.queue_s for r in results),
+                "total_s": max(r.total_s for r in results),
+            },
+        }
+
+
+def create_app(async_engine: AsyncEngine, model_name: str = "war",
+               api_key: str | None = None) -> FastAPI:
+    """A FastAPI app serving ``async_engine`` (started here if it is not running yet;
+    closing it stays with the caller). With ``api_key``, every endpoint but
+    ``/health`` needs ``Authorization: Bearer <api_key>``."""
+    async_engine.start()
+    app = FastAPI(title="WAR replica", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ReplicaMetrics(async_engine)
+    completions = _Completions(async_engine, model_name)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    if api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(APIError(400, _validation_message(exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
+            exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return _error_response(APIError(exc.status_code, str(exc.detail), kind))
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> JSONResponse:
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            try:
+                rid, reqs = completions.build(body, request.headers)
+                results = await _unless_disconnected(
+                    request, _generate_all(async_engine, reqs))
+            except ValueError as e:  # refused by the engine
+                raise APIError(400, str(e)) from None
+            except ClientDisconnected:
+                status = 499
+                return _error_response(APIError(499, "client closed the request"))
+            except EngineClosedError as e:
+                raise APIError(503, str(e), "server_error", "engine_closed") from None
+            except EngineStepError as e:
+                raise APIError(500, str(e), "server_error", "engine_error") from None
+            want = body.logprobs is not None and body.logprobs is not False
+            status = 200
+            return JSONResponse(completions.respond(rid, results, want))
+        except APIError as e:
+            status = e.status
+            raise
+        finally:
+            metrics.observe_request(status, time.perf_counter() - t0)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = async_engine.is_running
+        return JSONResponse({"status": "ok" if ok else "stopped",
+                             "weight_version": async_engine.weight_version},
+                            status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": 0, "owned_by": "war",
+            "max_model_len": completions.max_model_len,
+            "vocab_size": completions.vocab_size,
+            "weight_version": async_engine.weight_version,
+        }]}
+
+    @app.get("/v1/load")
+    async def load() -> dict[str, Any]:
+        snap = async_engine.load()
+        out = dataclasses.asdict(snap)
+        out["kv_free_tokens"] = snap.kv_free_tokens
+        return out
+
+    @app.post("/v1/history")
+    async def history(body: HistoryRequest) -> dict[str, Any]:
+        if (body.token_ids is None) == (body.items is None):
+            raise APIError(400, "send either token_ids (with an optional group_id) or items")
+        if body.items is not None and body.group_id is not None:
+            raise APIError(400, "group_id goes inside each item when items are sent",
+                           param="group_id")
+        items = ([HistoryItem(token_ids=body.token_ids, group_id=body.group_id)]
+                 if body.token_ids is not None else list(body.items or []))
+        vocab = completions.vocab_size
+        for i, item in enumerate(items):
+            if not item.token_ids:
+                raise APIError(400, f"item {i}: token_ids is empty", param="token_ids")
+            bad = next((t for t in item.token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"item {i}: token id {bad} outside the vocabulary "
+                               f"[0, {vocab})", param="token_ids")
+
+        def add_all(engine: EngineLike) -> None:
+            for item in items:
+                engine.add_history(item.token_ids, item.group_id)
+
+        try:
+            await async_engine.call(add_all)
+        except EngineClosedError as e:
+            raise APIError(503, str(e), "server_error", "engine_closed") from None
+        return {"status": "ok", "num_items": len(items),
+                "num_tokens": sum(len(item.token_ids) for item in items)}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,382 @@
+"""The replica's HTTP API on a tiny random model: completions with token ids and
+text, logprobs, several prompts, bad requests (4xx, and the server keeps
+serving), auth, side endpoints, and ``war serve`` as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from starlette.datastructures import Headers
+from test_async_engine import FakeEngine, req
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from war.cli.main import main as war_main
+from war.engine.async_engine import AsyncEngine
+from war.engine.config import EngineConfig
+from war.engine.engine import Engine
+from war.engine.loader import init_random, save_model
+from war.engine.model_config import ModelConfig
+from war.engine.server import (
+    ClientDisconnected,
+    CompletionRequest,
+    _Completions,
+    _unless_disconnected,
+    create_app,
+)
+from war.engine.stats import EngineStats
+from war.types import GenResult, ReplicaLoad
+
+VOCAB = 64
+MAX_LEN = 96
+TINY = {
+    "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": MAX_LEN, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "eos_token_id": 1,
+}
+KEY = "sekrit-key"
+
+
+def tiny_engine(tokenizer: Tokenizer | None = None) -> Engine:
+    model = init_random(ModelConfig.from_dict(TINY), seed=0, dtype=torch.float32)
+    cfg = EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=256)
+    return Engine(model, cfg, tokenizer=tokenizer)
+
+
+def word_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+@pytest.fixture(scope="module")
+def async_engine() -> Iterator[AsyncEngine]:
+    ae = AsyncEngine(tiny_engine())
+    ae.start()
+    yield ae
+    asyncio.run(ae.close())
+
+
+@pytest.fixture(scope="module")
+def client(async_engine: AsyncEngine) -> Iterator[TestClient]:
+    with TestClient(create_app(async_engine, model_name="tiny")) as c:
+        yield c
+
+
+def complete(client: TestClient, **body: Any) -> httpx.Response:
+    body.setdefault("model", "tiny")
+    return client.post("/v1/completions", json=body)
+
+
+def test_completion_with_token_ids_and_logprobs(client: TestClient) -> None:
+    r = complete(client, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0.0, logprobs=1,
+                 ignore_eos=True, request_id="req-1", trajectory_id="t", group_id="g")
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["id"] == "req-1" and out["object"] == "text_completion" and out["model"] == "tiny"
+    (choice,) = out["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length"
+    assert choice["text"] == "" and len(choice["token_ids"]) == 6
+    assert all(0 <= t < VOCAB for t in choice["token_ids"])
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 6
+    assert all(x <= 0.0 for x in lp["token_logprobs"])
+    assert lp["tokens"][0] == f"token_id:{choice['token_ids'][0]}"
+    usage = out["usage"]
+    assert usage == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10,
+                     "prompt_tokens_details": {"cached_tokens": usage["prompt_tokens_details"][
+                         "cached_tokens"]}}
+    war = out["war"]
+    assert set(war) == {"forward_passes", "draft_tokens", "accepted_tokens", "preemptions",
+                        "weight_version", "queue_s", "total_s"}
+    assert war["forward_passes"] >= 1 and war["total_s"] >= war["queue_s"] >= 0
+
+    # Greedy is deterministic; a stop token cuts the output right after it.
+    again = complete(client, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0.0,
+                     ignore_eos=True).json()["choices"][0]
+    assert again["token_ids"] == choice["token_ids"] and again["logprobs"] is None
+    stop_at = choice["token_ids"][2]
+    cut = complete(client, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0.0,
+                   ignore_eos=True, stop_token_ids=[stop_at]).json()["choices"][0]
+    first = choice["token_ids"].index(stop_at)
+    assert cut["token_ids"] == choice["token_ids"][: first + 1]
+    assert cut["finish_reason"] == "stop"
+
+
+def test_several_prompts_give_several_choices(client: TestClient) -> None:
+    r = complete(client, prompt=[[3, 4], [9, 10, 11], [12]], max_tokens=3, logprobs=0, seed=7,
+                 ignore_eos=True, top_k=5, top_p=0.9, temperature=0.8)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert all(len(c["token_ids"]) == 3 == len(c["logprobs"]["token_logprobs"])
+               for c in out["choices"])
+    assert out["usage"]["prompt_tokens"] == 6 and out["usage"]["completion_tokens"] == 9
+    assert out["id"].startswith("cmpl-")
+
+
+@pytest.mark.parametrize(("body", "status", "needle"), [
+    ({"prompt": [5, VOCAB]}, 400, "outside the vocabulary"),
+    ({"prompt": [5, -1]}, 400, "outside the vocabulary"),
+    ({"prompt": [5, 6], "max_tokens": MAX_LEN}, 400, "context length"),
+    ({"prompt": [5], "max_tokens": -3}, 400, "max_tokens"),
+    ({"prompt": [5], "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": [5], "max_tokens": "4"}, 400, "max_tokens"),
+    ({"prompt": [5], "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": [5], "top_p": 0.0}, 400, "top_p"),
+    ({"prompt": [5], "top_k": -2}, 400, "top_k"),
+    ({"prompt": [5], "logprobs": -1}, 400, "logprobs"),
+    ({"prompt": []}, 400, "empty"),
+    ({"prompt": [[1, 2], []]}, 400, "empty"),
+    ({"prompt": [5], "frequency_penalty": 0.5}, 400, "unknown field 'frequency_penalty'"),
+    ({"prompt": "hello"}, 400, "tokenizer"),
+    ({"prompt": [5], "stop": ["x"]}, 400, "tokenizer"),
+    ({"prompt": [1.5, 2]}, 400, "prompt must be token ids"),
+    ({"prompt": [True, 2]}, 400, "prompt must be token ids"),
+    ({"prompt": 5}, 400, "got int"),
+    ({"prompt": [[1, 2], [3, "a"]]}, 400, "prompt[1]: token ids must be ints"),
+    ({"prompt": [5], "n": 2}, 400, "n must be 1"),
+    ({"prompt": [5], "stream": True}, 400, "stream"),
+    ({"prompt": [5], "echo": True}, 400, "echo"),
+    ({"prompt": [5], "stop_token_ids": [VOCAB + 1]}, 400, "stop token"),
+    ({"prompt": [5], "model": "other"}, 404, "does not exist"),
+    ({}, 400, "prompt"),
+])
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(
+    client: TestClient, body: dict[str, Any], status: int, needle: str
+) -> None:
+    body.setdefault("model", "tiny")
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+    ok = complete(client, prompt=[5, 6], max_tokens=2, ignore_eos=True)
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+
+
+def test_malformed_json_and_unknown_routes(client: TestClient) -> None:
+    r = client.post("/v1/completions", content=b"{not json",
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "invalid request" in r.json()["error"]["message"]
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_headers_carry_war_fields(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2},
+                    headers={"X-Request-Id": "hdr-1", "X-Trajectory-Id": "traj",
+                             "X-Group-Id": "grp", "X-Priority": "2.5"})
+    assert r.status_code == 200 and r.json()["id"] == "hdr-1"
+    r = client.post("/v1/completions", json={"prompt": [5]}, headers={"X-Priority": "high"})
+    assert r.status_code == 400 and "X-Priority" in r.json()["error"]["message"]
+
+
+def test_build_adds_eos_unless_ignored(async_engine: AsyncEngine) -> None:
+    comp = _Completions(async_engine, "tiny")
+    _, (req,) = comp.build(CompletionRequest(prompt=[3], stop_token_ids=[9]), Headers())
+    assert req.sampling.stop_token_ids == (9, 1)
+    assert req.sampling.max_tokens == 16 and req.sampling.temperature == 1.0
+    assert req.sampling.top_k == 0 and not req.sampling.logprobs
+    _, (req,) = comp.build(CompletionRequest(prompt=[3], ignore_eos=True, max_tokens=None,
+                                             logprobs=True), Headers())
+    assert req.sampling.stop_token_ids == () and req.sampling.max_tokens == MAX_LEN - 1
+    assert req.sampling.logprobs
+
+
+def test_side_endpoints(client: TestClient) -> None:
+    h = client.get("/health")
+    assert h.status_code == 200 and h.json() == {"status": "ok", "weight_version": 0}
+    m = client.get("/v1/models").json()
+    assert m["data"][0]["id"] == "tiny" and m["data"][0]["max_model_len"] == MAX_LEN
+    load = client.get("/v1/load").json()
+    assert load["kv_blocks_total"] == 64 and load["block_size"] == 8
+    assert {"num_running", "num_waiting", "tokens_in_flight", "kv_blocks_used",
+            "spec_tokens_per_seq", "weight_version", "kv_free_tokens"} <= set(load)
+
+    r = client.post("/v1/history", json={"token_ids": [5, 6, 7, 5, 6, 7], "group_id": "g"})
+    assert r.status_code == 200 and r.json()["num_tokens"] == 6
+    r = client.post("/v1/history", json={"items": [{"token_ids": [1, 2]},
+                                                   {"token_ids": [3], "group_id": "g"}]})
+    assert r.status_code == 200 and r.json()["num_items"] == 2
+    for bad in ({}, {"token_ids": [1], "items": []}, {"token_ids": [VOCAB]},
+                {"token_ids": []}, {"items": [{"token_ids": [1], "extra": 1}]},
+                {"items": [{"token_ids": [1]}], "group_id": "g"}):
+        r = client.post("/v1/history", json=bad)
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["message"]
+
+    text = client.get("/metrics").text
+    for name in ("war_generated_tokens_total", "war_tokens_per_step",
+                 "war_spec_acceptance_rate", "war_spec_draft_budget_tokens",
+                 "war_prefix_cache_hit_rate", "war_step_seconds_total", "war_preemptions_total",
+                 "war_running_sequences", "war_waiting_sequences", "war_kv_blocks_used",
+                 "war_kv_blocks_total", "war_weight_version", "war_http_requests_total"):
+        assert f"\n{name} " in text or f"\n{name}{{" in text, name
+
+
+def test_text_prompts_with_a_tokenizer() -> None:
+    ae = AsyncEngine(tiny_engine(word_tokenizer()))
+    try:
+        with TestClient(create_app(ae)) as c:
+            r = c.post("/v1/completions", json={
+                "model": "war", "prompt": "w5 w6 w7", "max_tokens": 4, "ignore_eos": True,
+                "temperature": 0.0, "logprobs": 1, "stop": "never-seen"})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert r.json()["usage"]["prompt_tokens"] == 3
+            assert choice["text"] == " ".join(f"w{t}" for t in choice["token_ids"])
+            assert choice["logprobs"]["tokens"] == [f"w{t}" for t in choice["token_ids"]]
+            same = c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4,
+                                                   "ignore_eos": True, "temperature": 0.0})
+            assert same.json()["choices"][0]["token_ids"] == choice["token_ids"]
+            two = c.post("/v1/completions", json={"prompt": ["w1 w2", "w3"], "max_tokens": 1})
+            assert len(two.json()["choices"]) == 2
+    finally:
+        asyncio.run(ae.close())
+
+
+def test_api_key_is_required_except_for_health(async_engine: AsyncEngine) -> None:
+    with TestClient(create_app(async_engine, model_name="tiny", api_key=KEY)) as c:
+        body = {"prompt": [5, 6], "max_tokens": 1}
+        assert c.get("/health").status_code == 200
+        for path in ("/v1/models", "/v1/load", "/metrics"):
+            r = c.get(path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.post("/v1/completions", json=body).status_code == 401
+        bad = {"Authorization": "Bearer nope"}
+        assert c.post("/v1/completions", json=body, headers=bad).status_code == 401
+        basic = {"Authorization": f"Basic {KEY}"}
+        assert c.post("/v1/completions", json=body, headers=basic).status_code == 401
+        good = {"Authorization": f"Bearer {KEY}"}
+        assert c.post("/v1/completions", json=body, headers=good).status_code == 200
+        assert c.get("/metrics", headers=good).status_code == 200
+
+
+class _FailingEngine:
+    """Refuses nothing, but every step raises."""
+
+    def __init__(self) -> None:
+        self.model_config = SimpleNamespace(vocab_size=10, eos_token_id=())
+        self.tokenizer = None
+        self.max_model_len = 50
+        self.weight_version = 0
+        self.stats = EngineStats()
+        self._ids: list[str] = []
+
+    def add_request(self, request: Any) -> None:
+        self._ids.append(request.request_id)
+
+    def abort(self, request_id: str) -> GenResult | None:
+        self._ids.remove(request_id)
+        return None
+
+    def step(self) -> list[GenResult]:
+        raise RuntimeError("kernel exploded")
+
+    def has_unfinished(self) -> bool:
+        return bool(self._ids)
+
+    def load(self) -> ReplicaLoad:
+        return ReplicaLoad(len(self._ids), 0, 0, 0, 1, 16)
+
+
+def test_engine_failure_is_a_500_and_closed_engine_a_503() -> None:
+    ae = AsyncEngine(_FailingEngine())  # type: ignore[arg-type]
+    with TestClient(create_app(ae)) as c:
+        r = c.post("/v1/completions", json={"prompt": [1, 2]})
+        assert r.status_code == 500 and "kernel exploded" in r.json()["error"]["message"]
+        asyncio.run(ae.close())
+        r = c.post("/v1/completions", json={"prompt": [1, 2]})
+        assert r.status_code == 503
+        assert c.get("/health").status_code == 503
+
+
+def test_client_hang_up_aborts_the_request() -> None:
+    fake = FakeEngine(step_s=0.001)
+
+    class HangingUp:
+        async def receive(self) -> dict[str, str]:
+            await asyncio.sleep(0.05)
+            return {"type": "http.disconnect"}
+
+    async def main() -> None:
+        async with AsyncEngine(fake) as ae:  # type: ignore[arg-type]
+            with pytest.raises(ClientDisconnected):
+                await asyncio.wait_for(
+                    _unless_disconnected(HangingUp(), ae.generate(req("gone", 10**9))),  # type: ignore[arg-type]
+                    10.0)
+            for _ in range(1000):
+                if ("abort", "gone") in fake.calls:
+                    break
+                await asyncio.sleep(0.01)
+            assert ("abort", "gone") in fake.calls and not fake.has_unfinished()
+
+    asyncio.run(main())
+
+
+def test_serve_reports_a_missing_model_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert war_main(["serve", "--model", str(tmp_path / "nope")]) == 2
+    assert "model folder not found" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_war_serve_subprocess(tmp_path: Path) -> None:
+    folder = tmp_path / "tiny"
+    save_model(init_random(ModelConfig.from_dict(TINY), seed=0), folder)
+    port = _free_port()
+    env = {**os.environ, "WAR_API_KEY": KEY}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "war.cli.main", "serve", "--model", str(folder),
+         "--port", str(port), "--kv-cache-mb", "4", "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30.0
+        while True:
+            assert proc.poll() is None, proc.communicate()[0].decode(errors="replace")
+            try:
+                if httpx.get(f"{base}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "war serve did not become healthy in 30 s"
+            time.sleep(0.2)
+        headers = {"Authorization": f"Bearer {KEY}"}
+        assert httpx.post(f"{base}/v1/completions", json={"prompt": [1, 2]},
+                          timeout=5.0).status_code == 401
+        r = httpx.post(f"{base}/v1/completions", headers=headers, timeout=30.0,
+                       json={"model": "war", "prompt": [5, 6, 7], "max_tokens": 4,
+                             "ignore_eos": True, "logprobs": 1})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == 4
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert proc.returncode is not None
