@@ -37,7 +37,7 @@ from war.engine.server import (
     create_app,
 )
 from war.engine.stats import EngineStats
-from war.types import GenResult, ReplicaLoad
+from war.types import GenRequest, GenResult, ReplicaLoad, SamplingParams
 
 VOCAB = 64
 MAX_LEN = 96
@@ -380,3 +380,34 @@ def test_war_serve_subprocess(tmp_path: Path) -> None:
         if proc.stdout is not None:
             proc.stdout.close()
     assert proc.returncode is not None
+
+
+def test_weight_update_and_rl_step_endpoints(tmp_path: Path) -> None:
+    ae = AsyncEngine(tiny_engine())
+    ae.start()
+    try:
+        with TestClient(create_app(ae, model_name="tiny")) as c:
+            before = complete(c, prompt=[3, 4, 5], max_tokens=6, temperature=0.0).json()
+            other = init_random(ModelConfig.from_dict(TINY), seed=7, dtype=torch.float32)
+            save_model(other, tmp_path / "new")
+            r = c.post("/v1/weights", json={"path": str(tmp_path / "new")})
+            assert r.status_code == 200 and r.json()["weight_version"] == 1
+            after = complete(c, prompt=[3, 4, 5], max_tokens=6, temperature=0.0).json()
+            assert after["war"]["weight_version"] == 1
+            assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            ref = Engine(other, EngineConfig(num_kv_blocks=64, block_size=8))
+            want = ref.generate([GenRequest("x", (3, 4, 5),
+                                            SamplingParams(temperature=0.0, max_tokens=6,
+                                                           stop_token_ids=(1,)))])[0]
+            assert after["choices"][0]["token_ids"] == list(want.output_ids)
+            assert before["war"]["weight_version"] == 0
+            bad = c.post("/v1/weights", json={"path": str(tmp_path / "missing")})
+            assert bad.status_code == 400 and "missing" in bad.json()["error"]["message"]
+            assert c.get("/health").json()["weight_version"] == 1
+            assert c.post("/v1/rl_step", json={"rl_step": 3}).status_code == 200
+            back = c.post("/v1/rl_step", json={"rl_step": 2})
+            assert back.status_code == 400 and "backwards" in back.json()["error"]["message"]
+            assert c.post("/v1/rl_step", json={"rl_step": -1}).status_code == 400
+            assert c.post("/v1/weights", json={"path": 5}).status_code == 400
+    finally:
+        asyncio.run(ae.close())

@@ -98,6 +98,16 @@ class HistoryItem(_Forbid):
     group_id: StrictStr | None = None
 
 
+class WeightsRequest(_Forbid):
+    """A Hugging Face folder on the server's disk holding the new weights."""
+
+    path: StrictStr
+
+
+class RLStepRequest(_Forbid):
+    rl_step: StrictInt
+
+
 class HistoryRequest(_Forbid):
     """``{token_ids, group_id}`` (one response) or ``{items: [...]}`` (several)."""
 
@@ -486,6 +496,32 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
             raise APIError(503, str(e), "server_error", "engine_closed") from None
         return {"status": "ok", "num_items": len(items),
                 "num_tokens": sum(len(item.token_ids) for item in items)}
+
+    @app.post("/v1/weights")
+    async def weights(body: WeightsRequest) -> dict[str, Any]:
+        """Loads new weights from a folder (RL weight sync through disk): in-flight
+        requests are recomputed with them and the prefix cache is cleared."""
+        try:
+            version = await async_engine.load_weights(body.path)
+        except (ValueError, OSError, KeyError) as e:
+            raise APIError(400, f"cannot load weights from {body.path!r}: {e}",
+                           param="path") from None
+        except EngineClosedError as e:
+            raise APIError(503, str(e), "server_error", "engine_closed") from None
+        return {"status": "ok", "weight_version": version}
+
+    @app.post("/v1/rl_step")
+    async def rl_step(body: RLStepRequest) -> dict[str, Any]:
+        """Advances the draft history's window of RL steps."""
+        if body.rl_step < 0:
+            raise APIError(400, f"rl_step must be >= 0, got {body.rl_step}", param="rl_step")
+        try:
+            await async_engine.observe_rl_step(body.rl_step)
+        except ValueError as e:
+            raise APIError(400, str(e), param="rl_step") from None
+        except EngineClosedError as e:
+            raise APIError(503, str(e), "server_error", "engine_closed") from None
+        return {"status": "ok", "rl_step": body.rl_step}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
