@@ -100,10 +100,13 @@ class GenRequest:
     """One generation request to a replica.
 
     ``prompt_ids`` is the whole context so far (a multi-turn trajectory sends
-    its earlier turns again; the replica's prefix cache serves them). The
-    trajectory and group ids let replicas keep one draft tree per trajectory and
-    draft from the group's history; ``priority`` orders a replica's queue
-    (higher first; e.g. expected remaining work of the trajectory).
+    its earlier turns again; the replica's prefix cache serves them), or, with
+    ``continues``, only the tokens that follow the trajectory's previous request
+    on this replica (its prompt and output): the replica prepends what it holds,
+    and refuses with ``UnknownTrajectory`` when it holds nothing (send the whole
+    context then). The trajectory and group ids let replicas keep one draft tree
+    per trajectory and draft from the group's history; ``priority`` orders a
+    replica's queue (higher first; e.g. expected remaining work of the trajectory).
     """
 
     request_id: str
@@ -112,14 +115,22 @@ class GenRequest:
     trajectory_id: str | None = None
     group_id: str | None = None
     priority: float = 0.0
+    continues: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("request_id must be a non-empty string")
+        if self.continues and self.trajectory_id is None:
+            raise ValueError(f"request {self.request_id}: continues needs a trajectory_id")
         if len(self.prompt_ids) == 0:
             raise ValueError(f"request {self.request_id}: prompt_ids is empty")
         if self.priority != self.priority:
             raise ValueError(f"request {self.request_id}: priority is NaN")
+
+
+class UnknownTrajectory(ValueError):
+    """A continuing request's trajectory is not held by the replica (evicted, or
+    its earlier turns ran elsewhere): resend the whole context."""
 
 
 @dataclass(frozen=True, slots=True)

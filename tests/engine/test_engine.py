@@ -298,3 +298,27 @@ def test_engine_runs_in_lower_precision(dtype: str) -> None:
     for r in res:
         assert len(r.output_ids) == 12 and all(lp <= 0.0 for lp in r.logprobs)
     eng.check_integrity()
+
+
+def test_continuing_requests_send_only_new_tokens(model64: CausalLM) -> None:
+    from war.types import UnknownTrajectory
+
+    eng = make_engine(model64, spec_mode="off")
+    sp = SamplingParams(temperature=0.0, max_tokens=5)
+    prompt = tuple(range(1, 15))
+    first = eng.generate([GenRequest("a", prompt, sp, trajectory_id="t")])[0]
+    new = (7, 8, 9)
+    cont = eng.generate([GenRequest("b", new, sp, trajectory_id="t", continues=True)])[0]
+    full = prompt + first.output_ids + new
+    ref = make_engine(model64, spec_mode="off").generate([GenRequest("c", full, sp)])[0]
+    assert cont.output_ids == ref.output_ids
+    assert cont.num_prompt_tokens == len(full)
+    assert cont.num_cached_tokens == (len(prompt) + len(first.output_ids) - 1) // 4 * 4
+    with pytest.raises(UnknownTrajectory, match="whole context"):
+        eng.add_request(GenRequest("d", new, sp, trajectory_id="other", continues=True))
+    with pytest.raises(ValueError, match="trajectory_id"):
+        GenRequest("e", new, sp, continues=True)
+    # While a turn is in flight the trajectory cannot be continued a second time.
+    eng.add_request(GenRequest("f", (1, 2), sp, trajectory_id="t", continues=True))
+    with pytest.raises(UnknownTrajectory):
+        eng.add_request(GenRequest("g", (3,), sp, trajectory_id="t", continues=True))

@@ -411,3 +411,19 @@ def test_weight_update_and_rl_step_endpoints(tmp_path: Path) -> None:
             assert c.post("/v1/weights", json={"path": 5}).status_code == 400
     finally:
         asyncio.run(ae.close())
+
+
+def test_continuing_a_trajectory_over_http(client: TestClient) -> None:
+    first = complete(client, prompt=[3, 4, 5, 6], max_tokens=4, temperature=0.0,
+                     trajectory_id="conv", ignore_eos=True).json()
+    ids = first["choices"][0]["token_ids"]
+    cont = complete(client, prompt=[7, 8], max_tokens=4, temperature=0.0,
+                    trajectory_id="conv", continues=True, ignore_eos=True).json()
+    assert cont["usage"]["prompt_tokens"] == 4 + len(ids) + 2
+    full = complete(client, prompt=[3, 4, 5, 6, *ids, 7, 8], max_tokens=4, temperature=0.0,
+                    ignore_eos=True).json()
+    assert cont["choices"][0]["token_ids"] == full["choices"][0]["token_ids"]
+    missing = complete(client, prompt=[7, 8], max_tokens=4, trajectory_id="nope",
+                       continues=True)
+    assert missing.status_code == 409
+    assert missing.json()["error"]["code"] == "unknown_trajectory"

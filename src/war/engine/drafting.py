@@ -57,6 +57,11 @@ class TrajectoryDrafts:
             self._anonymous.add(sid)  # one-off, or a concurrent request of a busy trajectory
         return sid
 
+    def held_tokens(self, trajectory_id: str) -> list[int] | None:
+        """The tokens held for an idle trajectory (its last prompt and output), or None."""
+        sid = self._idle.get(trajectory_id)
+        return None if sid is None else self._tokens[sid]
+
     def extend(self, sid: int, token_ids: Sequence[int]) -> None:
         self.spec.extend(sid, token_ids)
         self._tokens[sid].extend(token_ids)

@@ -14,6 +14,7 @@ exactly the model's (``verify.py``); logprobs are always the model's.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
@@ -37,7 +38,7 @@ from war.engine.spec_policy import SpecPolicy, SpecPolicyConfig
 from war.engine.stats import EngineStats
 from war.engine.verify import TreeRows, Verified, truncate, verify_batch
 from war.spec.speculator import SuffixSpeculator
-from war.types import GenRequest, GenResult, ReplicaLoad
+from war.types import GenRequest, GenResult, ReplicaLoad, UnknownTrajectory
 
 _TORCH_DTYPES = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -124,6 +125,15 @@ class Engine:
         rid = request.request_id
         if rid in self._seqs:
             raise ValueError(f"request {rid} is already in flight")
+        if request.continues:
+            assert request.trajectory_id is not None
+            held = self.drafts.held_tokens(request.trajectory_id)
+            if held is None:
+                raise UnknownTrajectory(
+                    f"request {rid}: trajectory {request.trajectory_id} is not held by this "
+                    "replica (or has a request in flight); send the whole context")
+            request = dataclasses.replace(
+                request, prompt_ids=(*held, *request.prompt_ids), continues=False)
         vocab = self.model_config.vocab_size
         for t in request.prompt_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:

@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from war.engine.async_engine import AsyncEngine, EngineClosedError, EngineLike, EngineStepError
 from war.engine.metrics import CONTENT_TYPE, ReplicaMetrics
-from war.types import GenRequest, GenResult, SamplingParams
+from war.types import GenRequest, GenResult, SamplingParams, UnknownTrajectory
 
 T = TypeVar("T")
 
@@ -91,6 +91,7 @@ class CompletionRequest(_Forbid):
     trajectory_id: StrictStr | None = None
     group_id: StrictStr | None = None
     priority: StrictFloat | None = None
+    continues: StrictBool = False
 
 
 class HistoryItem(_Forbid):
@@ -316,7 +317,7 @@ class _Completions:
             if max_tokens < 1:
                 raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}",
                                param="max_tokens")
-            if len(ids) + max_tokens > self.max_model_len:
+            if len(ids) + max_tokens > self.max_model_len and not body.continues:
                 raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
                                f"exceeds the context length {self.max_model_len}",
                                param="max_tokens")
@@ -334,7 +335,7 @@ class _Completions:
                 requests.append(GenRequest(
                     request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
                     prompt_ids=tuple(ids), sampling=sampling, trajectory_id=trajectory_id,
-                    group_id=group_id, priority=priority,
+                    group_id=group_id, priority=priority, continues=body.continues,
                 ))
             except ValueError as e:
                 raise APIError(400, str(e)) from None
@@ -427,6 +428,8 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
                 rid, reqs = completions.build(body, request.headers)
                 results = await _unless_disconnected(
                     request, _generate_all(async_engine, reqs))
+            except UnknownTrajectory as e:  # the client resends the whole context
+                raise APIError(409, str(e), code="unknown_trajectory") from None
             except ValueError as e:  # refused by the engine
                 raise APIError(400, str(e)) from None
             except ClientDisconnected:
