@@ -9,13 +9,8 @@ from a source checkout. See README.md in this folder for origins and licenses.
 from __future__ import annotations
 
 import gzip
-import sys
 from importlib.resources import files
-
-if sys.version_info >= (3, 11):
-    from importlib.resources.abc import Traversable
-else:
-    from importlib.abc import Traversable
+from importlib.resources.abc import Traversable
 
 __all__ = ["GPT2_TOKENIZER", "SAMPLE_TRACES", "Traversable", "gpt2_tokenizer_json", "resource"]
 

@@ -1,0 +1,1 @@
+"""Synchronous agentic rollout: agent loop, environments, trajectories."""

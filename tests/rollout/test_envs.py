@@ -1,0 +1,357 @@
+"""The built-in tool environments, their scripted experts, scoring and the registry."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from war.rollout.envs import (
+    Environment,
+    ExpertEnvironment,
+    ExpertTurn,
+    FilesEnv,
+    SqliteEnv,
+    Task,
+    ToolEnv,
+    ToolEnvConfig,
+    ToolError,
+    ToolSpec,
+    calculator,
+    demonstration,
+    expert_actions,
+    files,
+    make,
+    names,
+    register,
+    run_tool,
+    sample_tasks,
+    score_answer,
+    sqlite_db,
+    unregister,
+)
+from war.rollout.envs.answers import parse_number
+
+BUILTINS = {"calculator": calculator.KINDS, "files": files.KINDS, "sqlite": sqlite_db.KINDS}
+_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+
+
+def calls_in(text: str) -> list[tuple[str, dict[str, Any]]]:
+    """The tool calls of an assistant text (a tiny stand-in for war.rollout.toolcalls)."""
+    return [(obj["name"], obj["arguments"]) for obj in map(json.loads, _CALL.findall(text))]
+
+
+def wrong(answer: str) -> str:
+    number = parse_number(answer)
+    return f"The answer is {number + 1 if number is not None else answer + 'x'}."
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_expert_solves_every_task_by_copying(name: str) -> None:
+    tasks = sample_tasks(name, 30, seed=0)
+    assert {t.data["kind"] for t in tasks} == set(BUILTINS[name])
+    env = make(name)
+    assert isinstance(env, ExpertEnvironment)
+    try:
+        for task in tasks:
+            messages = demonstration(env, task)
+            assert messages[0] == {"role": "system", "content": env.system_prompt()}
+            assert messages[1] == {"role": "user", "content": task.prompt}
+            outputs: list[str] = []
+            i = 2
+            while i < len(messages):
+                assert messages[i]["role"] == "assistant"
+                calls = calls_in(messages[i]["content"])
+                tool_msgs = messages[i + 1:i + 1 + len(calls)]
+                assert [(m["role"], m["name"]) for m in tool_msgs] == [
+                    ("tool", c[0]) for c in calls]
+                for (tool, args), msg in zip(calls, tool_msgs, strict=True):
+                    assert not msg["content"].startswith("error"), msg
+                    assert env.call_tool(tool, args) == msg["content"]  # replayable
+                    outputs.append(msg["content"])
+                i += 1 + len(calls)
+            final = messages[-1]["content"]
+            assert not calls_in(final) and final == f"The answer is {final[14:-1]}."
+            assert task.answer in "\n".join(outputs)  # the answer can be copied
+            assert env.score(final) == 1.0
+            assert env.score(wrong(task.answer)) == 0.0
+            assert env.score("I do not know.") == 0.0
+    finally:
+        env.close()
+
+
+def test_expert_actions_are_the_assistant_turns() -> None:
+    task = sample_tasks("sqlite", 2, seed=3)[1]
+    env = make("sqlite")
+    messages = demonstration(env, task)
+    assert expert_actions(env, task) == [m["content"] for m in messages
+                                         if m["role"] == "assistant"]
+    env.close()
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_determinism(name: str) -> None:
+    first, again = sample_tasks(name, 12, seed=7), sample_tasks(name, 12, seed=7)
+    assert [t.to_dict() for t in first] == [t.to_dict() for t in again]
+    assert sample_tasks(name, 5, seed=7) == first[:5]
+    assert [t.prompt for t in sample_tasks(name, 12, seed=8)] != [t.prompt for t in first]
+    assert len({t.task_id for t in first + sample_tasks(name, 12, seed=8)}) == 24
+    env_a, env_b = make(name), make(name)
+    try:
+        for task in first:
+            assert demonstration(env_a, task) == demonstration(env_b, task)
+    finally:
+        env_a.close()
+        env_b.close()
+
+
+def test_task_and_toolspec_round_trip() -> None:
+    task = Task("t-1", "calculator", "What is 2 + 2?", "4", {"kind": "arithmetic", "x": (1, 2)})
+    assert task.data["x"] == [1, 2]  # JSON-normalised
+    assert Task.from_dict(json.loads(json.dumps(task.to_dict()))) == task
+    with pytest.raises(TypeError):
+        task.data["x"] = 3  # type: ignore[index]
+    for bad in ({"task_id": ""}, {"answer": 4}, {"data": {"f": object()}}):
+        with pytest.raises(ValueError):
+            Task(**{**task.to_dict(), **bad})
+    with pytest.raises(ValueError, match="unknown keys"):
+        Task.from_dict({**task.to_dict(), "extra": 1})
+    spec = ToolSpec.build("query", "Run SQL.", sql=("string", "The query"))
+    assert spec.to_openai() == {"type": "function", "function": {
+        "name": "query", "description": "Run SQL.", "parameters": {
+            "type": "object", "properties": {"sql": {"type": "string", "description": "The query"}},
+            "required": ["sql"]}}}
+    with pytest.raises(ValueError):
+        ToolSpec("bad name", "x", {"type": "object"})
+    with pytest.raises(ValueError):
+        ToolSpec("f", "x", {"type": "object", "properties": {"a": {"type": "list"}}})
+    with pytest.raises(ValueError):
+        ToolSpec("f", "x", {"type": "object", "properties": {}, "required": ["a"]})
+    with pytest.raises(ValueError):
+        ExpertTurn(thought="two\nlines", answer="4")
+    with pytest.raises(ValueError):
+        ExpertTurn()
+    assert ExpertTurn.call("I add.", "calculate", expression="1 + 2").text == (
+        'I add.\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "1 + 2"}}'
+        "\n</tool_call>")
+    assert ExpertTurn.final("3").text == "The answer is 3."
+
+
+def test_scoring_is_tolerant_but_exact() -> None:
+    assert score_answer("The answer is  1,234 .", "1234") == 1.0
+    assert score_answer("the answer is 8.050", "8.05") == 1.0
+    assert score_answer("Answer: **PARIS**", "Paris") == 1.0
+    assert score_answer("<think>maybe 3</think>The answer is 449 apples.", "449") == 1.0
+    assert score_answer("10.0.3.7", "10.0.3.7") == 1.0
+    assert score_answer("The answer is Paris, France.", "Paris") == 0.0
+    assert score_answer("The answer is 8.06.", "8.05") == 0.0
+    assert score_answer("", "4") == 0.0
+    with pytest.raises(ValueError):
+        score_answer("4", " ")
+
+
+def test_argument_errors_raise_tool_error_and_become_observations() -> None:
+    env = make("calculator")
+    with pytest.raises(ValueError, match="reset"):
+        env.call_tool("calculate", {"expression": "1 + 1"})
+    env.reset(sample_tasks("calculator", 1, seed=0)[0])
+    bad_calls: list[tuple[str, Any, str]] = [
+        ("nope", {}, "unknown tool 'nope'"),
+        ("calculate", {}, "missing required argument"),
+        ("calculate", {"expression": "1", "x": 2}, "unknown argument"),
+        ("calculate", {"expression": 5}, "must be a string"),
+        ("convert", {"value": "5", "from_unit": "m", "to_unit": "km"}, "must be a number"),
+        ("convert", {"value": True, "from_unit": "m", "to_unit": "km"}, "must be a number"),
+        ("convert", {"value": float("nan"), "from_unit": "m", "to_unit": "km"}, "number"),
+        ("calculate", ["1 + 1"], "JSON object"),
+    ]
+    for tool, args, message in bad_calls:
+        with pytest.raises(ToolError, match=message):
+            env.call_tool(tool, args)
+        assert run_tool(env, tool, args).startswith("error: ")
+    for expression in ("9**9**9", "__import__('os')", "(1).real", "x + 1", "1/0", "(-8)**0.5",
+                       "round(5, -10**9)", "10**100 * 10", "1" * 300, "'a' * 3", "1; 2"):
+        assert env.call_tool("calculate", {"expression": expression}).startswith("error: ")
+    assert env.call_tool("calculate", {"expression": "(37 + 5) * 2 / 4"}) == "21"
+    assert env.call_tool("convert", {"value": 5, "from_unit": "mi", "to_unit": "km"}) == "8.05"
+    assert "cannot convert" in env.call_tool(
+        "convert", {"value": 5, "from_unit": "kg", "to_unit": "km"})
+    with pytest.raises(ValueError):
+        env.reset(sample_tasks("sqlite", 1, seed=0)[0])
+    env.close()
+
+
+class SlowEnv(ToolEnv):
+    """A test environment with a slow, a crashing and a verbose tool."""
+
+    name = "slow"
+
+    def system_prompt(self) -> str:
+        return "Test tools."
+
+    def tools(self) -> list[ToolSpec]:
+        return [ToolSpec.build("sleep", "Sleep.", seconds=("number", "How long")),
+                ToolSpec.build("boom", "Crash."), ToolSpec.build("big", "Talk a lot.")]
+
+    def _handlers(self) -> Mapping[str, Callable[..., str]]:
+        def sleep(seconds: float) -> str:
+            time.sleep(seconds)
+            return "slept"
+
+        def boom() -> str:
+            raise RuntimeError("kaboom")
+
+        return {"sleep": sleep, "boom": boom, "big": lambda: "x" * 10_000}
+
+    def _build(self, task: Task) -> None:
+        pass
+
+
+def test_timeouts_crashes_and_long_outputs_are_observations() -> None:
+    env = SlowEnv(ToolEnvConfig(timeout_s=0.1, max_output_chars=100))
+    assert isinstance(env, Environment)
+    task = Task("s-0", "slow", "Sleep.", "slept")
+    env.reset(task)
+    start = time.monotonic()
+    assert env.call_tool("sleep", {"seconds": 0.4}) == "error: tool sleep timed out after 0.1 s"
+    assert time.monotonic() - start < 0.35
+    until = time.monotonic() + 5.0  # the abandoned call holds the env until it returns
+    while (out := env.call_tool("sleep", {"seconds": 0})) != "slept" and time.monotonic() < until:
+        pass
+    assert out == "slept"
+    assert env.call_tool("boom", {}) == "error: kaboom"
+    big = env.call_tool("big", {})
+    assert big.startswith("x" * 100) and big.endswith("[... truncated 9900 chars]")
+    with pytest.raises(ValueError, match="no scripted expert"):
+        demonstration(env, task)
+    inline = SlowEnv(ToolEnvConfig(timeout_s=None))
+    inline.reset(Task("s-0", "slow", "Sleep.", "slept"))
+    assert inline.call_tool("boom", {}) == "error: kaboom"
+    for bad in ({"timeout_s": 0}, {"timeout_s": float("inf")}, {"max_output_chars": 3}):
+        with pytest.raises(ValueError):
+            ToolEnvConfig(**bad)
+
+
+def test_sqlite_is_read_only_and_bounded() -> None:
+    env = SqliteEnv(max_rows=5, query_time_s=0.2)
+    env.reset(sample_tasks("sqlite", 1, seed=0)[0])
+    count = env.call_tool("query", {"sql": "SELECT COUNT(*) FROM orders"})
+    for sql in ("DELETE FROM orders", "DROP TABLE orders", "UPDATE orders SET amount = 0",
+                "INSERT INTO customers VALUES (99, 'Eve', 'Nowhere')", "PRAGMA query_only = OFF",
+                "ATTACH DATABASE 'x.db' AS x", "CREATE TABLE t (x)"):
+        assert env.call_tool("query", {"sql": sql}).startswith("error: not allowed"), sql
+    assert env.call_tool("query", {"sql": "SELECT COUNT(*) FROM orders"}) == count
+    assert env.call_tool("query", {"sql": "SELEC 1"}).startswith("error: SQL error")
+    assert env.call_tool("query", {"sql": "SELECT * FROM nope"}).startswith("error: SQL error")
+    rows = env.call_tool("query", {"sql": "SELECT * FROM orders"}).splitlines()
+    assert rows[0] == "id | customer_id | product | amount | year" and len(rows) == 7
+    assert rows[-1].startswith("... (more than 5 rows")
+    start = time.monotonic()
+    endless = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
+               "SELECT COUNT(*) FROM c")
+    assert env.call_tool("query", {"sql": endless}) == "error: query took longer than 0.2 s"
+    assert time.monotonic() - start < 2.0
+    env.close()
+    with pytest.raises(ValueError, match="reset"):
+        env.call_tool("query", {"sql": "SELECT 1"})
+
+
+def test_files_sandbox(tmp_path: Path) -> None:
+    env = FilesEnv(ToolEnvConfig(max_output_chars=500))
+    env.reset(sample_tasks("files", 1, seed=0)[0])
+    root = env.root
+    assert root is not None and root.is_dir()
+    assert env.call_tool("ls", {"path": "/"}) == "etc/\nhome/\nsrv/\nvar/"
+    assert env.call_tool("cat", {"path": "etc/hostname"}).startswith("node-")
+    (tmp_path / "secret.txt").write_text("password = hunter2\n")
+    (root / "srv" / "link").symlink_to(tmp_path)
+    (root / "etc" / "passwd").symlink_to(tmp_path / "secret.txt")
+    for tool, args in (("cat", {"path": "../secret.txt"}), ("cat", {"path": "/srv/../../x"}),
+                       ("ls", {"path": ".."}), ("cat", {"path": "/srv/link/secret.txt"}),
+                       ("cat", {"path": "/etc/passwd"}), ("grep", {"pattern": "x", "path": "/.."}),
+                       ("cat", {"path": "/nope"}), ("cat", {"path": "/srv"})):
+        assert env.call_tool(tool, args).startswith("error: "), (tool, args)
+    assert "hunter2" not in env.call_tool("grep", {"pattern": "password", "path": "/"})
+    assert str(root) not in env.call_tool("cat", {"path": "/srv/link/secret.txt"})
+    (root / "var" / "big.log").write_text("ERROR disk full\n" * 10_000)
+    big = env.call_tool("cat", {"path": "/var/big.log"})
+    assert len(big) < 600 and big.endswith("chars]")
+    grep = env.call_tool("grep", {"pattern": "disk full", "path": "/var"})
+    assert grep.startswith("10000 matches\n/var/big.log:1:ERROR disk full") and len(grep) < 600
+    env.reset(sample_tasks("files", 2, seed=0)[1])
+    assert not root.exists() and env.root is not None and env.root.is_dir()
+    second = env.root
+    env.close()
+    assert not second.exists() and env.root is None
+
+
+class EchoEnv(ToolEnv):
+    """The user-defined environment of the package docstring."""
+
+    name = "echo"
+
+    def system_prompt(self) -> str:
+        return "Repeat the word with the echo tool, then answer: The answer is <word>."
+
+    def tools(self) -> list[ToolSpec]:
+        return [ToolSpec.build("echo", "Return the text.", text=("string", "The text"))]
+
+    def _handlers(self) -> Mapping[str, Callable[..., str]]:
+        return {"echo": lambda text: text}
+
+    def _build(self, task: Task) -> None:
+        pass
+
+    def expert_turn(self, task: Task, outputs: Sequence[str]) -> ExpertTurn:
+        if outputs:
+            return ExpertTurn.final(outputs[-1])
+        return ExpertTurn.call("I echo the word.", "echo", text=task.data["word"])
+
+
+def echo_tasks(n: int, seed: int) -> list[Task]:
+    rng = random.Random(seed)
+    words = [rng.choice(["apple", "river", "cloud"]) for _ in range(n)]
+    return [Task(f"echo-{seed}-{i}", "echo", f"Echo the word {w}.", w, {"word": w})
+            for i, w in enumerate(words)]
+
+
+def test_registry() -> None:
+    assert set(BUILTINS) <= set(names())
+    with pytest.raises(ValueError, match="already registered"):
+        register("sqlite", SqliteEnv, sqlite_db.sample_tasks)
+    with pytest.raises(KeyError, match="calculator"):
+        make("nope")
+    with pytest.raises(KeyError):
+        sample_tasks("nope", 1, seed=0)
+    with pytest.raises(ValueError):
+        sample_tasks("sqlite", -1, seed=0)
+    register("echo", EchoEnv, echo_tasks)
+    register("echo-dups", EchoEnv, lambda n, seed: [Task("same", "echo-dups", "Hi.", "hi")] * n)
+    register("sqlite-bad", SqliteEnv, echo_tasks)
+    try:
+        assert "echo" in names()
+        env = make("echo", config=ToolEnvConfig(timeout_s=1.0))
+        for task in sample_tasks("echo", 5, seed=1):
+            messages = demonstration(env, task)
+            assert messages[3] == {"role": "tool", "name": "echo", "content": task.answer}
+            assert env.score(messages[-1]["content"]) == 1.0
+        env.close()
+        with pytest.raises(ValueError, match="named 'echo'"):
+            make("echo-dups")
+        with pytest.raises(ValueError, match="duplicate task ids"):
+            sample_tasks("echo-dups", 2, seed=0)
+        with pytest.raises(ValueError, match="Tasks of env 'sqlite-bad'"):
+            sample_tasks("sqlite-bad", 1, seed=0)
+    finally:
+        unregister("echo")
+        unregister("echo-dups")
+        unregister("sqlite-bad")
+    assert "echo" not in names()
+    with pytest.raises(KeyError):
+        unregister("echo")
