@@ -1,0 +1,218 @@
+"""The agent loop of one trajectory: generate, parse tool calls, run tools, continue.
+
+Knows: how one episode proceeds — render the first prompt with the chat template,
+send token ids to a replica, parse ``<tool_call>`` blocks from the sampled text,
+run the tools in the environment (in a worker thread), append the tool responses
+as a rendered continuation, until the policy answers without a tool call, a turn
+limit or a token limit — and how to account for every token (loss mask,
+logprobs), timings and speculation counters. Does not know how replicas are
+chosen (``Replica`` is any object with ``async generate``), the engine's
+internals, or how trajectories are stored.
+
+Token bookkeeping is exact: each turn only the new segment (tool responses and
+the next generation prompt) is tokenized and appended; the sampled tokens are
+the replica's, never re-tokenized. A trajectory's next turn sends only those new
+tokens (``GenRequest.continues``); if the replica no longer holds the trajectory
+the whole context is sent instead.
+
+Model output never crashes the loop: malformed tool calls (bad JSON, unknown
+tool, wrong arguments) and failing tools become error observations for the
+policy, as real agent frameworks do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from tokenizers import Tokenizer
+
+from war.rollout.chat import ChatTemplate, encode_segment, end_of_turn_ids, load_chat_template
+from war.rollout.envs import Environment, Task, ToolError
+from war.rollout.toolcalls import format_tool_response, parse_tool_calls
+from war.rollout.trajectory import Trajectory, TrajectoryBuilder
+from war.types import GenRequest, GenResult, SamplingParams, UnknownTrajectory
+
+
+class Replica(Protocol):
+    """Anything that generates: an in-process ``AsyncEngine``, an HTTP client, a router."""
+
+    async def generate(self, request: GenRequest) -> GenResult: ...
+
+
+@dataclass(frozen=True)
+class PolicyIO:
+    """How text becomes tokens for one policy: its tokenizer and chat template."""
+
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    stop_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> PolicyIO:
+        """The tokenizer (``tokenizer.json``) and chat template of a model folder."""
+        path = Path(folder) / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"no tokenizer.json in {folder}")
+        tokenizer = Tokenizer.from_file(str(path))
+        template = load_chat_template(folder)
+        return cls(tokenizer, template, end_of_turn_ids(tokenizer, template))
+
+    def encode(self, text: str) -> list[int]:
+        return encode_segment(self.tokenizer, text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Limits of one episode and how to sample it; validated on construction.
+
+    * ``max_turns``: assistant turns before the episode is cut (``max_turns``).
+    * ``max_tokens_per_turn``: most tokens sampled in one turn.
+    * ``max_total_tokens``: most tokens of the whole trajectory (context included).
+    * ``temperature``, ``top_p``, ``top_k``: sampling.
+    * ``send_only_new_tokens``: continue trajectories on the replica that holds them.
+    """
+
+    max_turns: int = 8
+    max_tokens_per_turn: int = 256
+    max_total_tokens: int = 2048
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    send_only_new_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_tokens_per_turn", "max_total_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+
+@dataclass
+class _Counters:
+    draft: int = 0
+    accepted: int = 0
+    passes: int = 0
+    cached: int = 0
+    prompt: int = 0
+    generation_s: float = 0.0
+    tool_s: float = 0.0
+    weight_version: int = 0
+    replicas: list[str] = field(default_factory=list)
+
+
+async def run_episode(
+    task: Task,
+    env: Environment,
+    replica: Replica,
+    io: PolicyIO,
+    config: AgentConfig,
+    *,
+    trajectory_id: str,
+    group_id: str,
+    rl_step: int = 0,
+    sample_index: int = 0,
+    seed: int | None = None,
+    replica_name: str = "replica",
+    priority: Callable[[int], float] | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Trajectory:
+    """Runs one episode of ``task`` in ``env`` (already constructed; it is reset
+    here and not closed) and returns its trajectory. Replica errors other than a
+    refused continuation propagate (the caller decides whether to retry)."""
+    start = clock()
+    tools = [t.to_openai() for t in env.tools()]
+    first_user = await asyncio.to_thread(env.reset, task)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": env.system_prompt()},
+        {"role": "user", "content": first_user},
+    ]
+    builder = TrajectoryBuilder()
+    builder.append_prompt(io.encode(io.template.render_prompt(messages, tools)))
+    c = _Counters()
+    new_ids = builder.token_ids
+    held = False  # whether the replica holds this trajectory's earlier turns
+    reward, finish, turns, error = 0.0, "max_turns", 0, None
+    while turns < config.max_turns:
+        room = config.max_total_tokens - len(builder)
+        if room < 1:
+            finish = "max_tokens"
+            break
+        sampling = SamplingParams(
+            temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+            max_tokens=min(config.max_tokens_per_turn, room), stop_token_ids=io.stop_token_ids,
+            seed=None if seed is None else seed * 1000 + turns, logprobs=True)
+        request_id = f"{trajectory_id}/t{turns}"
+        cont = held and config.send_only_new_tokens
+        req = GenRequest(request_id, tuple(new_ids if cont else builder.token_ids), sampling,
+                         trajectory_id=trajectory_id, group_id=group_id,
+                         priority=priority(turns) if priority else float(turns), continues=cont)
+        t0 = time.perf_counter()
+        try:
+            res = await replica.generate(req)
+        except UnknownTrajectory:
+            req = GenRequest(request_id, tuple(builder.token_ids), sampling,
+                             trajectory_id=trajectory_id, group_id=group_id,
+                             priority=req.priority)
+            res = await replica.generate(req)
+        c.generation_s += time.perf_counter() - t0
+        held = True
+        turns += 1
+        c.draft += res.num_draft_tokens
+        c.accepted += res.num_accepted_tokens
+        c.passes += res.num_forward_passes
+        c.cached += res.num_cached_tokens
+        c.prompt += res.num_prompt_tokens
+        c.weight_version = res.weight_version
+        c.replicas.append(replica_name)
+        out = list(res.output_ids)
+        builder.append_sampled(out, res.logprobs)
+        ended_turn = bool(out) and out[-1] in io.stop_token_ids
+        text = io.decode(out)
+        messages.append({"role": "assistant", "content": text})
+        if not ended_turn:  # cut by the token budget in the middle of a turn
+            finish = "length" if res.finish_reason == "length" else "error"
+            error = None if finish == "length" else f"turn ended with {res.finish_reason}"
+            break
+        parsed = parse_tool_calls(text)
+        if not parsed.has_calls and not parsed.errors:
+            reward = float(env.score(parsed.content))
+            finish = "done"
+            break
+        observations: list[dict[str, Any]] = []
+        t1 = time.perf_counter()
+        for call in parsed.calls:
+            try:
+                output = await asyncio.to_thread(env.call_tool, call.name, dict(call.arguments))
+            except ToolError as exc:
+                output = f"error: {exc}"
+            observations.append(format_tool_response(call.name, output))
+        for problem in parsed.errors:
+            observations.append(format_tool_response("invalid_tool_call", f"error: {problem}"))
+        c.tool_s += time.perf_counter() - t1
+        cont_text = io.template.render_continuation(messages, observations, tools)
+        new_ids = io.encode(cont_text)
+        builder.append_observation(new_ids)
+        messages.extend(observations)
+    end = clock()
+    spec = {
+        "draft_tokens": float(c.draft), "accepted_tokens": float(c.accepted),
+        "forward_passes": float(c.passes),
+        "tokens_per_step": builder.num_sampled_tokens / c.passes if c.passes else 0.0,
+        "cached_prompt_tokens": float(c.cached), "prompt_tokens": float(c.prompt),
+    }
+    return builder.build(
+        trajectory_id=trajectory_id, group_id=group_id, task_id=task.task_id, env=task.env,
+        rl_step=rl_step, sample_index=sample_index, reward=reward, num_turns=turns,
+        finish_reason=finish, messages=messages,
+        timings={"start": start, "end": end, "total": end - start,
+                 "generation": c.generation_s, "tool": c.tool_s},
+        spec=spec, weight_version=c.weight_version, replica_ids=c.replicas, error=error)

@@ -1,0 +1,162 @@
+"""One synchronous RL rollout step: every task sampled ``group_size`` times, all in flight.
+
+Knows: how a step's trajectories are named and seeded, which replica serves each
+group when no router is in front (groups stay together for prefix and draft
+locality; groups go to the replica with the fewest trajectories assigned), how
+many trajectories may be in flight, writing every finished trajectory at once
+(atomic JSONL appends) and resuming a crashed step without redoing finished
+trajectories. Does not know replicas' internals, environments' tools or how
+tokens are rendered (``agent.py``).
+
+A trajectory that fails (a replica error, an environment that cannot reset) is
+returned and written with ``finish_reason="error"`` and its message; the other
+trajectories of the step go on. On resume such trajectories are run again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from war.rollout.agent import AgentConfig, PolicyIO, Replica, run_episode
+from war.rollout.envs import Task, make
+from war.rollout.trajectory import JsonlWriter, Trajectory, read_jsonl
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """One RL step's shape; validated on construction.
+
+    * ``group_size``: samples per task (a GRPO group).
+    * ``agent``: limits and sampling of each episode.
+    * ``rl_step``: the RL step's number (names trajectories; slides draft history).
+    * ``seed``: sampling seeds of the step's trajectories derive from it.
+    * ``max_in_flight``: most trajectories running at once (``None``: all).
+    """
+
+    group_size: int = 8
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    rl_step: int = 0
+    seed: int = 0
+    max_in_flight: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
+                or self.group_size < 1:
+            raise ValueError(f"group_size must be an int >= 1, got {self.group_size!r}")
+        if isinstance(self.rl_step, bool) or not isinstance(self.rl_step, int) \
+                or self.rl_step < 0:
+            raise ValueError(f"rl_step must be an int >= 0, got {self.rl_step!r}")
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+
+
+def trajectory_id(rl_step: int, task_id: str, sample: int) -> str:
+    return f"step{rl_step}/{task_id}/{sample}"
+
+
+def _seed(base: int, traj_id: str) -> int:
+    digest = hashlib.sha256(f"{base}:{traj_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def assign_groups(tasks: Sequence[Task], names: Sequence[str], group_size: int) -> dict[str, str]:
+    """Task id -> replica name: whole groups, each to the least-assigned replica."""
+    load = dict.fromkeys(names, 0)
+    out: dict[str, str] = {}
+    for task in tasks:
+        name = min(names, key=lambda n: (load[n], names.index(n)))
+        out[task.task_id] = name
+        load[name] += group_size
+    return out
+
+
+async def run_step_async(
+    tasks: Sequence[Task],
+    replicas: Sequence[Replica] | Mapping[str, Replica],
+    io: PolicyIO,
+    config: RolloutConfig | None = None,
+    *,
+    output: str | Path | None = None,
+    on_done: Callable[[Trajectory], None] | None = None,
+) -> list[Trajectory]:
+    """Runs one step; returns its trajectories in (task, sample) order.
+
+    ``output``: a JSONL file every finished trajectory is appended to at once; if it
+    already holds finished trajectories of this step they are returned as they are
+    and not run again. ``on_done`` is called for each trajectory as it finishes.
+    """
+    cfg = config if config is not None else RolloutConfig()
+    named = dict(replicas) if isinstance(replicas, Mapping) else {
+        f"replica{i}": r for i, r in enumerate(replicas)}
+    if not named:
+        raise ValueError("no replicas")
+    ids = [t.task_id for t in tasks]
+    if len(set(ids)) != len(ids):
+        raise ValueError("task ids must be distinct within a step")
+    wanted = [(task, g, trajectory_id(cfg.rl_step, task.task_id, g))
+              for task in tasks for g in range(cfg.group_size)]
+    done: dict[str, Trajectory] = {}
+    if output is not None and Path(output).exists():
+        mine = {tid for _, _, tid in wanted}
+        done = {t.trajectory_id: t for t in read_jsonl(output)
+                if t.trajectory_id in mine and t.finish_reason != "error"}
+    placement = assign_groups(tasks, list(named), cfg.group_size)
+    limit = asyncio.Semaphore(cfg.max_in_flight or max(len(wanted), 1))
+    writer = JsonlWriter(output) if output is not None else None
+
+    async def one(task: Task, sample: int, traj_id: str) -> Trajectory:
+        name = placement[task.task_id]
+        async with limit:
+            try:
+                env = make(task.env)
+            except Exception as exc:  # a broken environment fails this trajectory only
+                return _failed(task, sample, traj_id, cfg, f"cannot make env: {exc!r}")
+            try:
+                traj = await run_episode(
+                    task, env, named[name], io, cfg.agent, trajectory_id=traj_id,
+                    group_id=task.task_id, rl_step=cfg.rl_step, sample_index=sample,
+                    seed=_seed(cfg.seed, traj_id), replica_name=name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                traj = _failed(task, sample, traj_id, cfg, repr(exc))
+            finally:
+                await asyncio.to_thread(env.close)
+        if writer is not None:
+            writer.append(traj)
+        if on_done is not None:
+            on_done(traj)
+        return traj
+
+    try:
+        todo = [one(task, g, tid) for task, g, tid in wanted if tid not in done]
+        for traj in await asyncio.gather(*todo):
+            done[traj.trajectory_id] = traj
+    finally:
+        if writer is not None:
+            writer.close()
+    return [done[tid] for _, _, tid in wanted]
+
+
+def run_step(
+    tasks: Sequence[Task],
+    replicas: Sequence[Replica] | Mapping[str, Replica],
+    io: PolicyIO,
+    config: RolloutConfig | None = None,
+    *,
+    output: str | Path | None = None,
+    on_done: Callable[[Trajectory], None] | None = None,
+) -> list[Trajectory]:
+    """``run_step_async`` from synchronous code."""
+    return asyncio.run(run_step_async(tasks, replicas, io, config, output=output,
+                                      on_done=on_done))
+
+
+def _failed(task: Task, sample: int, traj_id: str, cfg: RolloutConfig, error: str) -> Trajectory:
+    return Trajectory(
+        trajectory_id=traj_id, group_id=task.task_id, task_id=task.task_id, env=task.env,
+        rl_step=cfg.rl_step, sample_index=sample, finish_reason="error", error=error).check()

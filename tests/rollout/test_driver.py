@@ -1,0 +1,204 @@
+"""The agent loop and the step driver: exact token bookkeeping with a scripted
+replica, a real engine end to end, error handling, resume after a crash."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from war.data import gpt2_tokenizer_json
+from war.engine.async_engine import AsyncEngine
+from war.engine.config import EngineConfig
+from war.engine.engine import Engine
+from war.engine.loader import init_random
+from war.engine.model_config import ModelConfig
+from war.rollout.agent import AgentConfig, PolicyIO
+from war.rollout.chat import HermesTemplate, end_of_turn_ids
+from war.rollout.driver import RolloutConfig, run_step, trajectory_id
+from war.rollout.envs import expert_actions, make, sample_tasks
+from war.rollout.trajectory import read_jsonl
+from war.types import GenRequest, GenResult, UnknownTrajectory
+
+
+def gpt2_io() -> PolicyIO:
+    tok = Tokenizer.from_str(gpt2_tokenizer_json())
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    template = HermesTemplate()
+    return PolicyIO(tok, template, end_of_turn_ids(tok, template))
+
+
+IO = gpt2_io()
+
+
+class ScriptedReplica:
+    """Answers each turn with the scripted expert's text (so rewards must be 1), and
+    checks that a continuing request extends exactly what it sent before."""
+
+    def __init__(self, forget_every: int = 0) -> None:
+        self.scripts: dict[str, list[str]] = {}
+        self.context: dict[str, list[int]] = {}
+        self.requests: list[GenRequest] = []
+        self.forget_every = forget_every
+
+    def script(self, traj_id: str, task: Any) -> None:
+        env = make(task.env)
+        try:
+            self.scripts[traj_id] = expert_actions(env, task)
+        finally:
+            env.close()
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        self.requests.append(req)
+        assert req.trajectory_id is not None
+        tid = req.trajectory_id
+        if req.continues:
+            if self.forget_every and len(self.requests) % self.forget_every == 0:
+                raise UnknownTrajectory("forgotten")
+            prompt = self.context[tid] + list(req.prompt_ids)
+        else:
+            prompt = list(req.prompt_ids)
+        text = self.scripts[tid].pop(0)
+        out = IO.encode(text) + list(IO.stop_token_ids)
+        self.context[tid] = prompt + out
+        await asyncio.sleep(0)
+        return GenResult(req.request_id, tuple(out), tuple([-0.25] * len(out)), "stop",
+                         len(prompt), num_forward_passes=len(out))
+
+
+@pytest.mark.parametrize("forget_every", [0, 3])
+def test_expert_scripts_get_full_reward_with_exact_tokens(tmp_path: Path,
+                                                          forget_every: int) -> None:
+    tasks = [*sample_tasks("calculator", 2, 1), *sample_tasks("sqlite", 2, 1),
+             *sample_tasks("files", 2, 1)]
+    replica = ScriptedReplica(forget_every)
+    cfg = RolloutConfig(group_size=2, rl_step=3)
+    for t in tasks:
+        for g in range(2):
+            replica.script(trajectory_id(3, t.task_id, g), t)
+    out = run_step(tasks, [replica], IO, cfg, output=tmp_path / "s.jsonl")
+    assert len(out) == 12
+    for traj in out:
+        assert traj.finish_reason == "done" and traj.reward == 1.0, traj.messages[-1]
+        assert traj.num_turns >= 2 and traj.group_id == traj.task_id
+        # The tokens are exactly the replica's context, and decode to the full render.
+        assert traj.token_ids == replica.context[traj.trajectory_id]
+        text = IO.tokenizer.decode(traj.token_ids, skip_special_tokens=False)
+        tools = [t.to_openai() for t in make(traj.env).tools()]
+        assert text + "\n" == HermesTemplate().render(traj.messages, tools)
+        sampled = [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m]
+        assert IO.decode(sampled).count("The answer is") == 1
+        assert all(lp == -0.25 for lp, m in zip(traj.logprobs, traj.loss_mask, strict=True)
+                   if m)
+        assert traj.spec["tokens_per_step"] == 1.0
+    assert any(r.continues for r in replica.requests)  # only new tokens were sent
+    assert len(read_jsonl(tmp_path / "s.jsonl")) == 12
+
+
+def test_resume_skips_finished_trajectories(tmp_path: Path) -> None:
+    tasks = sample_tasks("calculator", 3, 2)
+    path = tmp_path / "step.jsonl"
+    first = ScriptedReplica()
+    for t in tasks:
+        for g in range(2):
+            first.script(trajectory_id(0, t.task_id, g), t)
+    cfg = RolloutConfig(group_size=2)
+    run_step(tasks[:2], [first], IO, cfg, output=path)  # "crashed" before the third task
+    again = ScriptedReplica()
+    for g in range(2):
+        again.script(trajectory_id(0, tasks[2].task_id, g), tasks[2])
+    out = run_step(tasks, [again], IO, cfg, output=path)
+    assert [t.trajectory_id for t in out] == [
+        trajectory_id(0, t.task_id, g) for t in tasks for g in range(2)]
+    assert {r.trajectory_id for r in again.requests} == {
+        trajectory_id(0, tasks[2].task_id, g) for g in range(2)}
+    assert all(t.reward == 1.0 for t in out)
+    assert len(read_jsonl(path)) == 6
+
+
+class BrokenReplica:
+    async def generate(self, req: GenRequest) -> GenResult:
+        raise ConnectionError("replica died")
+
+
+class BabblingReplica:
+    """Returns malformed tool calls, then text without an end-of-turn token."""
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        self.turn += 1
+        text = ('<tool_call>{"name": "calculate", "arguments": {"expr": 1}}</tool_call>'
+                '<tool_call>{not json</tool_call>' if self.turn == 1 else "and then")
+        out = IO.encode(text) + (list(IO.stop_token_ids) if self.turn == 1 else [])
+        return GenResult(req.request_id, tuple(out), tuple([-1.0] * len(out)),
+                         "stop" if self.turn == 1 else "length", len(req.prompt_ids))
+
+
+def test_bad_model_output_and_dead_replicas_do_not_crash_the_step() -> None:
+    task = sample_tasks("calculator", 1, 5)
+    out = run_step(task, [BabblingReplica()], IO, RolloutConfig(group_size=1))[0]
+    assert out.finish_reason == "length" and out.num_turns == 2 and out.reward == 0.0
+    tool_msgs = [m for m in out.messages if m["role"] == "tool"]
+    assert len(tool_msgs) == 2 and all("error" in m["content"] for m in tool_msgs)
+    dead = run_step(task, [BrokenReplica()], IO, RolloutConfig(group_size=2))
+    assert [t.finish_reason for t in dead] == ["error", "error"]
+    assert all("replica died" in (t.error or "") for t in dead)
+
+
+def test_limits_end_episodes() -> None:
+    task = sample_tasks("sqlite", 1, 0)
+    rep = ScriptedReplica()
+    rep.script(trajectory_id(0, task[0].task_id, 0), task[0])
+    out = run_step(task, [rep], IO, RolloutConfig(group_size=1, agent=AgentConfig(max_turns=1)))
+    assert out[0].finish_reason == "max_turns" and out[0].num_turns == 1
+    with pytest.raises(ValueError):
+        AgentConfig(max_turns=0)
+    with pytest.raises(ValueError):
+        RolloutConfig(group_size=0)
+    with pytest.raises(ValueError, match="distinct"):
+        run_step([task[0], task[0]], [rep], IO)
+
+
+def test_real_engines_end_to_end(tmp_path: Path) -> None:
+    """A random model over two in-process replicas: the loop runs, tokens, masks and
+    logprobs line up with what the engine sampled, and groups stay on one replica."""
+    vocab = IO.tokenizer.get_vocab_size()
+    cfg = ModelConfig.from_dict({
+        "model_type": "llama", "vocab_size": vocab, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": True})
+    replicas = {f"r{i}": AsyncEngine(Engine(init_random(cfg, seed=i, dtype=torch.float32),
+                                            EngineConfig(num_kv_blocks=512, block_size=16)))
+                for i in range(2)}
+    tasks = [*sample_tasks("calculator", 1, 0), *sample_tasks("files", 1, 0)]
+    agent = AgentConfig(max_turns=2, max_tokens_per_turn=12, max_total_tokens=2048)
+
+    async def main() -> list[Any]:
+        from war.rollout.driver import run_step_async
+        for r in replicas.values():
+            r.start()
+        try:
+            return await run_step_async(tasks, replicas, IO,
+                                        RolloutConfig(group_size=3, agent=agent))
+        finally:
+            for r in replicas.values():
+                await r.close()
+
+    out = asyncio.run(main())
+    assert len(out) == 6
+    for traj in out:
+        traj.check()
+        assert traj.finish_reason in ("done", "length", "max_turns")
+        assert 1 <= traj.num_sampled_tokens <= 24
+        assert len(set(traj.replica_ids)) == 1
+    by_group = {g: {t.replica_ids[0] for t in out if t.group_id == g}
+                for g in {t.group_id for t in out}}
+    assert sorted(len(r) for r in by_group.values()) == [1, 1]  # a group stays together
+    assert {out[0].replica_ids[0], out[3].replica_ids[0]} == {"r0", "r1"}
