@@ -107,6 +107,9 @@ def test_auto_mode_is_lossless_and_counts(model64: CausalLM) -> None:
     st = eng.stats
     assert st.num_generated_tokens == sum(len(r.output_ids) for r in out.values())
     assert st.num_decode_passes == sum(r.num_forward_passes for r in out.values())
+    assert len(eng.timeline) == st.num_steps
+    assert sum(r.draft_tokens for r in eng.timeline) == st.num_draft_tokens
+    assert sum(r.accepted_tokens for r in eng.timeline) == st.num_accepted_tokens
 
 
 def test_prefix_cache_reuse_and_multi_turn(model64: CausalLM) -> None:

@@ -14,6 +14,7 @@ exactly the model's (``verify.py``); logprobs are always the model's.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -35,7 +36,7 @@ from war.engine.sampling import make_generator
 from war.engine.scheduler import Scheduler
 from war.engine.sequence import SeqStatus, Sequence
 from war.engine.spec_policy import SpecPolicy, SpecPolicyConfig
-from war.engine.stats import EngineStats
+from war.engine.stats import EngineStats, StepRecord
 from war.engine.verify import TreeRows, Verified, truncate, verify_batch
 from war.spec.speculator import SuffixSpeculator
 from war.types import GenRequest, GenResult, ReplicaLoad, UnknownTrajectory
@@ -102,6 +103,8 @@ class Engine:
         self._generator = torch.Generator().manual_seed(cfg.seed)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
+        # The most recent steps, for timelines and reports (bounded).
+        self.timeline: collections.deque[StepRecord] = collections.deque(maxlen=200_000)
 
     @classmethod
     def from_pretrained(
@@ -235,6 +238,7 @@ class Engine:
         self.stats.num_preemptions += len(sched.preempted)
         if sched.is_empty:
             return []
+        accepted_before = self.stats.num_accepted_tokens
         plans = [self._prefill_plan(seq, n) for seq, n in sched.prefills]
         context = sum(s.num_computed + n for s, n in sched.prefills)
         context += sum(s.num_computed + 1 for s in sched.decodes)
@@ -268,6 +272,9 @@ class Engine:
         st.last_num_seqs = len(plans)
         st.last_spec_tokens = num_drafts
         st.total_spec_budget += st.last_spec_tokens
+        self.timeline.append(StepRecord(
+            self._clock(), len(plans), len(sched.decodes), self.scheduler.num_waiting,
+            batch_tokens, num_drafts, st.num_accepted_tokens - accepted_before, elapsed))
         return finished
 
     def _prefill_plan(self, seq: Sequence, n: int) -> _Plan:

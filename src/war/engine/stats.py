@@ -8,6 +8,20 @@ produced; the engine updates it, exporters (``/metrics``) read it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class StepRecord(NamedTuple):
+    """One step of the engine's timeline (``Engine.timeline``)."""
+
+    time_s: float  # the engine clock when the step ended
+    num_seqs: int  # sequences in the forward pass
+    num_decoding: int  # of which decoding (the rest prefill chunks)
+    num_waiting: int  # queued after the step
+    batch_tokens: int
+    draft_tokens: int  # draft tokens verified (the speculation budget chosen)
+    accepted_tokens: int
+    step_s: float
 
 
 @dataclass
