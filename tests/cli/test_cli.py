@@ -30,7 +30,7 @@ def test_spec_replay_prints_and_writes_json(
 
 
 def test_demo_runs_four_configs(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--limit", "2", "--order", "shuffled", "--seed", "1"]) == 0
+    assert main(["spec", "demo", "--limit", "2", "--order", "shuffled", "--seed", "1"]) == 0
     printed = capsys.readouterr().out
     for config in ("path", "path, baseline", "tree", "tree, baseline"):
         assert config in printed

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from war.cli import serve, spec
+from war.cli import rollout, serve, spec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="war", description="Workload-Aware Rollout: fast rollouts for agentic RL."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    spec.add_demo_command(commands)
+    rollout.add_demo_command(commands)
+    rollout.add_rollout_command(commands)
     spec.add_spec_command(commands)
     serve.add_serve_command(commands)
     return parser

@@ -1,4 +1,4 @@
-"""`war spec replay` and `war demo`: suffix speculation replayed over agent traces.
+"""`war spec replay` and `war spec demo`: suffix speculation replayed over agent traces.
 
 Knows the options of these commands and how to show a `ReplayReport` as a rich table.
 The replay itself is `war.spec.replay`; traces and tokenization are `war.spec.traces`.
@@ -40,10 +40,7 @@ def add_spec_command(commands: Subparsers) -> None:
     p.add_argument("--mode", choices=list(MODES), default="path", help="draft chains or trees")
     p.add_argument("--json", metavar="OUT", type=Path, help="also write the report as JSON")
     p.set_defaults(run=run_replay)
-
-
-def add_demo_command(commands: Subparsers) -> None:
-    p = commands.add_parser(
+    p = sub.add_parser(
         "demo",
         help="replay the bundled sample in path and tree mode, beside published SuffixDecoding",
     )

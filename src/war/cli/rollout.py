@@ -1,0 +1,162 @@
+"""`war demo` and `war rollout`: synchronous RL steps over local replicas.
+
+Knows: the commands' options, the live progress display (trajectories done,
+tokens generated, current speculation budget per replica), the summary table and
+where the run's files go. Does not know how a step runs (``war.rollout.run``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import TypeAlias
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from war.engine.async_engine import AsyncEngine
+from war.rollout.envs import Task
+from war.rollout.report import plot_timeline
+from war.rollout.run import (
+    RunConfig,
+    RunResult,
+    builtin_policy,
+    load_run_config,
+    make_replicas,
+    run_rollout,
+)
+from war.rollout.trajectory import Trajectory
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def add_demo_command(commands: Subparsers) -> None:
+    p = commands.add_parser(
+        "demo",
+        help="three RL steps of 16 tasks x 8 samples with the built-in policy on two local "
+        "replicas",
+    )
+    _add_common(p)
+    p.set_defaults(run=run_demo, config=None)
+
+
+def add_rollout_command(commands: Subparsers) -> None:
+    p = commands.add_parser("rollout", help="RL rollout steps as a config file describes")
+    p.add_argument("--config", required=True, help="YAML or JSON file (see docs/rollout.md)")
+    _add_common(p)
+    p.set_defaults(run=run_rollout_command)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, help="RL steps")
+    p.add_argument("--tasks", type=int, dest="tasks_per_step", help="tasks per step")
+    p.add_argument("--group-size", type=int, help="samples per task")
+    p.add_argument("--replicas", type=int, help="local replicas")
+    p.add_argument("--spec-mode", choices=["auto", "always", "off"], help="speculation mode")
+    p.add_argument("--output-dir", help="where runs/<name>/ goes (default: runs)")
+    p.add_argument("--name", help="the run's name (its folder under the output dir)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _config(args: argparse.Namespace, base: RunConfig) -> RunConfig:
+    changes = {k: getattr(args, k) for k in ("steps", "tasks_per_step", "group_size",
+                                             "replicas", "output_dir", "name", "seed")
+               if getattr(args, k, None) is not None}
+    cfg = dataclasses.replace(base, **changes)
+    if args.spec_mode is not None:
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
+                                                                  spec_mode=args.spec_mode))
+    return cfg
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    cfg = _config(args, RunConfig(name="demo"))
+    return _run(cfg, quiet=args.quiet)
+
+
+def run_rollout_command(args: argparse.Namespace) -> int:
+    return _run(_config(args, load_run_config(args.config)), quiet=args.quiet)
+
+
+def _run(cfg: RunConfig, quiet: bool) -> int:
+    console = Console()
+    model = cfg.model or str(builtin_policy())
+    console.print(f"[bold]WAR rollout[/] {cfg.name}: {cfg.steps} steps x {cfg.tasks_per_step} "
+                  f"tasks x {cfg.group_size} samples, {cfg.replicas} replicas, "
+                  f"spec {cfg.engine.spec_mode}, model {model}")
+    result = asyncio.run(_run_with_progress(cfg, console, quiet))
+    console.print(summary_table(result))
+    png = plot_timeline(result.timelines, result.step_bounds, result.run_dir / "report.png",
+                        title=f"WAR rollout {cfg.name}")
+    console.print(f"trajectories: {result.run_dir / 'trajectories.jsonl'} (and .parquet); "
+                  f"report: {png}; summary: {result.run_dir / 'summary.json'}")
+    return 0
+
+
+async def _run_with_progress(cfg: RunConfig, console: Console, quiet: bool) -> RunResult:
+    model_dir = Path(cfg.model) if cfg.model else builtin_policy()
+    replicas = make_replicas(cfg, model_dir)
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+        console=console, disable=quiet, transient=False)
+    bar = progress.add_task("step", total=1, info="")
+    tokens = 0
+    done = 0
+
+    def on_step(step: int, tasks: list[Task]) -> None:
+        nonlocal done
+        done = 0
+        progress.reset(bar, total=len(tasks) * cfg.group_size,
+                       description=f"step {step}", info="")
+
+    def on_done(traj: Trajectory) -> None:
+        nonlocal tokens, done
+        tokens += traj.num_sampled_tokens
+        done += 1
+        progress.update(bar, completed=done)
+
+    async def refresh() -> None:
+        while True:
+            progress.update(bar, info=_live_info(replicas, tokens))
+            await asyncio.sleep(0.5)
+
+    with progress:
+        ticker = asyncio.create_task(refresh())
+        try:
+            return await run_rollout(cfg, on_done=on_done, on_step=on_step, replicas=replicas)
+        finally:
+            ticker.cancel()
+            for r in replicas.values():
+                await r.close()
+
+
+def _live_info(replicas: dict[str, AsyncEngine], tokens: int) -> str:
+    parts = [f"{tokens} tokens"]
+    for name, r in replicas.items():
+        load = r.load()
+        parts.append(f"{name}: {load.num_running} running, "
+                     f"budget {load.spec_tokens_per_seq:.1f} tok/seq")
+    return " | ".join(parts)
+
+
+def summary_table(result: RunResult) -> Table:
+    table = Table(title=f"WAR rollout: {result.config.name}")
+    for col in ("step", "traj", "makespan", "tok/s", "tok/step", "accept", "prefix", "reward",
+                "turns", "err"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for s in result.steps:
+        table.add_row(str(s.rl_step), str(s.num_trajectories), f"{s.makespan_s:.1f}s",
+                      f"{s.tokens_per_s:.0f}", f"{s.tokens_per_step:.2f}", f"{s.acceptance:.2f}",
+                      f"{s.prefix_hit_rate:.2f}", f"{s.mean_reward:.2f}", f"{s.mean_turns:.1f}",
+                      str(s.num_errors))
+    envs = sorted({e for s in result.steps for e in s.success_by_env})
+    if envs:
+        last = result.steps[-1]
+        table.caption = "success by environment (last step): " + ", ".join(
+            f"{e} {last.success_by_env.get(e, 0.0):.0%}" for e in envs)
+    return table

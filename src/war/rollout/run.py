@@ -1,0 +1,291 @@
+"""A rollout run: several synchronous RL steps over local replicas, with figures.
+
+Knows: the run's configuration (model, replicas, environments, sizes; from a YAML
+or JSON file), how tasks are drawn for each step (from a fixed pool, so tasks
+recur across steps as they do over an RL dataset's epochs), how local replicas are
+built (one engine thread each), and the figures of each step: makespan,
+throughput, tokens/step, acceptance, prefix-cache hit rate, reward. Does not know
+progress bars or plots (``war.cli``, ``report.py``), nor the engine's internals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from war.engine.async_engine import AsyncEngine
+from war.engine.config import EngineConfig
+from war.engine.engine import Engine
+from war.engine.stats import StepRecord
+from war.rollout.agent import AgentConfig, PolicyIO
+from war.rollout.driver import RolloutConfig, run_step_async
+from war.rollout.envs import Task, names, sample_tasks
+from war.rollout.trajectory import Trajectory, write_parquet
+from war.spec.config import SpecConfig
+
+
+def _default_engine() -> EngineConfig:
+    return EngineConfig(kv_cache_bytes=64 * 1024 * 1024, max_num_seqs=64,
+                        max_num_batched_tokens=2048)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A rollout run; validated on construction.
+
+    * ``model``: a Hugging Face folder (weights, config, tokenizer); ``None``: the
+      built-in policy shipped with WAR.
+    * ``replicas``: local replicas (one engine each, in this process).
+    * ``envs``: registered environments the tasks come from (round robin).
+    * ``tasks_per_step``, ``group_size``, ``steps``: the RL steps' shape.
+    * ``task_pool``: distinct tasks the steps draw from (default: twice
+      ``tasks_per_step``), so that tasks recur across steps.
+    * ``torch_threads``: CPU threads of torch (``None``: the machine's cores
+      divided among the replicas).
+    """
+
+    name: str = "rollout"
+    model: str | None = None
+    replicas: int = 2
+    envs: tuple[str, ...] = ("calculator", "sqlite", "files")
+    tasks_per_step: int = 16
+    group_size: int = 8
+    steps: int = 3
+    task_pool: int | None = None
+    seed: int = 0
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    engine: EngineConfig = field(default_factory=_default_engine)
+    output_dir: str = "runs"
+    torch_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("replicas", "tasks_per_step", "group_size", "steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not self.envs:
+            raise ValueError("envs is empty")
+        unknown = [e for e in self.envs if e not in names()]
+        if unknown:
+            raise ValueError(f"unknown environments {unknown} (registered: {names()})")
+        if self.task_pool is not None and self.task_pool < self.tasks_per_step:
+            raise ValueError(f"task_pool ({self.task_pool}) < tasks_per_step "
+                             f"({self.tasks_per_step})")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+
+
+def load_run_config(path: str | Path, **overrides: Any) -> RunConfig:
+    """A ``RunConfig`` from a YAML or JSON file: top-level keys are its fields;
+    ``agent`` and ``engine`` (with ``engine.spec``) are nested mappings. Unknown
+    keys raise ValueError naming them."""
+    text = Path(path).read_text()
+    try:
+        raw = yaml.safe_load(text) if str(path).endswith((".yaml", ".yml")) else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not valid YAML/JSON: {exc}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the top level must be a mapping")
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    return run_config_from_dict(raw, str(path))
+
+
+def _build(cls: Any, raw: Any, where: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where} must be a mapping, got {raw!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
+    try:
+        return cls(**raw)
+    except TypeError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def run_config_from_dict(raw: Mapping[str, Any], where: str = "config") -> RunConfig:
+    data = dict(raw)
+    if "agent" in data:
+        data["agent"] = _build(AgentConfig, data["agent"], f"{where}: agent")
+    if "engine" in data:
+        eng = dict(_as_mapping(data["engine"], f"{where}: engine"))
+        if eng.get("spec_mode") is False:  # YAML reads a bare `off` as false
+            eng["spec_mode"] = "off"
+        if "spec" in eng:
+            eng["spec"] = _build(SpecConfig, eng["spec"], f"{where}: engine.spec")
+        base = dataclasses.asdict(_default_engine())
+        base.pop("spec")
+        base.update(eng)
+        data["engine"] = _build(EngineConfig, base, f"{where}: engine")
+    if "envs" in data:
+        data["envs"] = tuple(data["envs"])
+    cfg: RunConfig = _build(RunConfig, data, where)
+    return cfg
+
+
+def _as_mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be a mapping, got {value!r}")
+    return value
+
+
+def builtin_policy() -> Path:
+    """The folder of the built-in policy shipped with WAR (``war train-policy`` made it)."""
+    path = Path(str(files("war.data") / "policy"))
+    if not (path / "config.json").is_file():
+        raise ValueError(f"the built-in policy is missing from {path}; "
+                         "build it with `war train-policy --out` that folder")
+    return path
+
+
+def task_pool(cfg: RunConfig) -> list[Task]:
+    """The run's distinct tasks, round robin over its environments."""
+    size = cfg.task_pool or 2 * cfg.tasks_per_step
+    per_env = -(-size // len(cfg.envs))
+    pools = [sample_tasks(env, per_env, cfg.seed) for env in cfg.envs]
+    mixed = [pool[i] for i in range(per_env) for pool in pools]
+    return mixed[:size]
+
+
+def step_tasks(pool: Sequence[Task], n: int, seed: int, rl_step: int) -> list[Task]:
+    """The tasks of one RL step: a seeded draw from the pool."""
+    rng = random.Random(f"{seed}:{rl_step}")
+    return rng.sample(list(pool), n)
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    rl_step: int
+    num_trajectories: int
+    num_errors: int
+    makespan_s: float
+    generated_tokens: int
+    tokens_per_s: float
+    tokens_per_step: float
+    acceptance: float
+    prefix_hit_rate: float
+    mean_reward: float
+    success_by_env: dict[str, float]
+    mean_turns: float
+
+
+def summarize(rl_step: int, trajs: Sequence[Trajectory]) -> StepSummary:
+    """The figures of one step from its trajectories (see docs: metrics)."""
+    ok = [t for t in trajs if t.finish_reason != "error"]
+    gen = sum(t.num_sampled_tokens for t in ok)
+    passes = sum(t.spec.get("forward_passes", 0.0) for t in ok)
+    draft = sum(t.spec.get("draft_tokens", 0.0) for t in ok)
+    acc = sum(t.spec.get("accepted_tokens", 0.0) for t in ok)
+    prompt = sum(t.spec.get("prompt_tokens", 0.0) for t in ok)
+    cached = sum(t.spec.get("cached_prompt_tokens", 0.0) for t in ok)
+    starts = [t.timings["start"] for t in ok if "start" in t.timings]
+    ends = [t.timings["end"] for t in ok if "end" in t.timings]
+    makespan = max(ends) - min(starts) if starts and ends else 0.0
+    by_env: dict[str, list[float]] = {}
+    for t in trajs:
+        by_env.setdefault(t.env, []).append(t.reward)
+    return StepSummary(
+        rl_step=rl_step, num_trajectories=len(trajs), num_errors=len(trajs) - len(ok),
+        makespan_s=makespan, generated_tokens=gen,
+        tokens_per_s=gen / makespan if makespan > 0 else 0.0,
+        tokens_per_step=gen / passes if passes else 0.0,
+        acceptance=acc / draft if draft else 0.0,
+        prefix_hit_rate=cached / prompt if prompt else 0.0,
+        mean_reward=sum(t.reward for t in trajs) / len(trajs) if trajs else 0.0,
+        success_by_env={e: sum(r >= 1.0 for r in rs) / len(rs) for e, rs in by_env.items()},
+        mean_turns=sum(t.num_turns for t in ok) / len(ok) if ok else 0.0)
+
+
+@dataclass
+class RunResult:
+    config: RunConfig
+    run_dir: Path
+    steps: list[StepSummary]
+    timelines: dict[str, list[StepRecord]]
+    step_bounds: list[tuple[float, float]]  # (start, end) of each step, engine clock
+    trajectories: list[Trajectory]
+
+
+def make_replicas(cfg: RunConfig, model_dir: Path) -> dict[str, AsyncEngine]:
+    """One engine per replica, each driven by its own thread."""
+    threads = cfg.torch_threads or max(1, (torch.get_num_threads()) // cfg.replicas)
+    torch.set_num_threads(threads)
+    out = {}
+    for i in range(cfg.replicas):
+        engine = Engine.from_pretrained(model_dir, cfg.engine)
+        out[f"replica{i}"] = AsyncEngine(engine)
+    return out
+
+
+async def run_rollout(
+    cfg: RunConfig,
+    *,
+    on_done: Callable[[Trajectory], None] | None = None,
+    on_step: Callable[[int, list[Task]], None] | None = None,
+    replicas: Mapping[str, AsyncEngine] | None = None,
+) -> RunResult:
+    """Runs ``cfg.steps`` synchronous steps; writes trajectories (JSONL as they
+    finish, Parquet at the end) and ``summary.json`` under ``output_dir/name``."""
+    model_dir = Path(cfg.model) if cfg.model else builtin_policy()
+    io = PolicyIO.from_folder(model_dir)
+    run_dir = Path(cfg.output_dir) / cfg.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    own = replicas is None
+    reps = make_replicas(cfg, model_dir) if replicas is None else dict(replicas)
+    for r in reps.values():
+        r.start()
+    pool = task_pool(cfg)
+    summaries: list[StepSummary] = []
+    bounds: list[tuple[float, float]] = []
+    every: list[Trajectory] = []
+    try:
+        for step in range(cfg.steps):
+            tasks = step_tasks(pool, cfg.tasks_per_step, cfg.seed, step)
+            for r in reps.values():
+                await r.observe_rl_step(step)
+            if on_step is not None:
+                on_step(step, tasks)
+            t0 = time.perf_counter()
+            trajs = await run_step_async(
+                tasks, reps, io,
+                RolloutConfig(group_size=cfg.group_size, agent=cfg.agent, rl_step=step,
+                              seed=cfg.seed),
+                output=run_dir / "trajectories.jsonl", on_done=on_done)
+            bounds.append((t0, time.perf_counter()))
+            summaries.append(summarize(step, trajs))
+            every.extend(trajs)
+        timelines = {name: await r.call(_timeline) for name, r in reps.items()}
+    finally:
+        if own:
+            for r in reps.values():
+                await r.close()
+    write_parquet(every, run_dir / "trajectories.parquet")
+    result = RunResult(cfg, run_dir, summaries, timelines, bounds, every)
+    (run_dir / "summary.json").write_text(json.dumps(
+        {"config": _jsonable(dataclasses.asdict(cfg)),
+         "steps": [dataclasses.asdict(s) for s in summaries]}, indent=2))
+    return result
+
+
+def _timeline(engine: object) -> list[StepRecord]:
+    return list(getattr(engine, "timeline", ()))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

@@ -1,0 +1,112 @@
+"""Rollout runs: config files, step summaries, a small run over two local replicas
+with a random policy, and the `war rollout` command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from war.cli.main import main
+from war.data import gpt2_tokenizer_json
+from war.engine.loader import init_random, save_model
+from war.engine.model_config import ModelConfig
+from war.rollout.run import (
+    RunConfig,
+    load_run_config,
+    run_config_from_dict,
+    step_tasks,
+    summarize,
+    task_pool,
+)
+from war.rollout.trajectory import Trajectory, read_jsonl, read_parquet
+
+
+@pytest.fixture(scope="module")
+def random_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("policy")
+    tok = Tokenizer.from_str(gpt2_tokenizer_json())
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = ModelConfig.from_dict({
+        "model_type": "llama", "vocab_size": tok.get_vocab_size(), "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": True})
+    save_model(init_random(cfg, seed=0), folder)
+    return folder
+
+
+def test_config_files_and_errors(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("name: x\nsteps: 2\nenvs: [calculator]\nagent: {max_turns: 3}\n"
+                    "engine: {spec_mode: off, block_size: 8, spec: {max_spec_tokens: 4}}\n")
+    cfg = load_run_config(path)
+    assert cfg.steps == 2 and cfg.envs == ("calculator",) and cfg.agent.max_turns == 3
+    assert cfg.engine.spec_mode == "off" and cfg.engine.block_size == 8
+    assert cfg.engine.spec.max_spec_tokens == 4
+    assert load_run_config(path, steps=5).steps == 5
+    with pytest.raises(ValueError, match="unknown keys"):
+        run_config_from_dict({"stepz": 1})
+    with pytest.raises(ValueError, match="agent: unknown keys"):
+        run_config_from_dict({"agent": {"turns": 1}})
+    with pytest.raises(ValueError, match="unknown environments"):
+        RunConfig(envs=("nope",))
+    with pytest.raises(ValueError, match="spec_mode"):
+        run_config_from_dict({"engine": {"spec_mode": "sometimes"}})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: [1\n")
+    with pytest.raises(ValueError, match="not valid"):
+        load_run_config(bad)
+
+
+def test_tasks_recur_across_steps() -> None:
+    cfg = RunConfig(tasks_per_step=6, task_pool=9, envs=("calculator", "files"))
+    pool = task_pool(cfg)
+    assert len(pool) == 9 and len({t.task_id for t in pool}) == 9
+    assert {t.env for t in pool} == {"calculator", "files"}
+    a, b = step_tasks(pool, 6, 0, 0), step_tasks(pool, 6, 0, 1)
+    assert a == step_tasks(pool, 6, 0, 0) and a != b
+    assert {t.task_id for t in a} & {t.task_id for t in b}
+
+
+def test_summary_of_a_step() -> None:
+    def traj(i: int, reward: float, env: str) -> Trajectory:
+        return Trajectory(
+            trajectory_id=f"t{i}", group_id="g", task_id="k", env=env, rl_step=0,
+            sample_index=i, token_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1],
+            logprobs=[0.0, -1.0, -1.0, -1.0], reward=reward, num_turns=2,
+            timings={"start": 10.0 + i, "end": 12.0 + i},
+            spec={"forward_passes": 2.0, "draft_tokens": 4.0, "accepted_tokens": 1.0,
+                  "prompt_tokens": 10.0, "cached_prompt_tokens": 5.0})
+
+    s = summarize(0, [traj(0, 1.0, "a"), traj(1, 0.0, "a"), traj(2, 1.0, "b")])
+    assert s.makespan_s == 4.0 and s.generated_tokens == 9
+    assert s.tokens_per_s == 9 / 4 and s.tokens_per_step == 9 / 6
+    assert s.acceptance == 0.25 and s.prefix_hit_rate == 0.5
+    assert s.success_by_env == {"a": 0.5, "b": 1.0}
+    assert s.mean_reward == pytest.approx(2 / 3)
+
+
+def test_war_rollout_command(tmp_path: Path, random_policy: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({
+        "name": "tiny", "model": str(random_policy), "replicas": 2, "tasks_per_step": 3,
+        "group_size": 2, "steps": 2, "output_dir": str(tmp_path / "runs"),
+        "agent": {"max_turns": 2, "max_tokens_per_turn": 8},
+        "engine": {"kv_cache_bytes": 8_000_000}}))
+    config = config.rename(tmp_path / "run.json")
+    assert main(["rollout", "--config", str(config), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "WAR rollout: tiny" in out and "tok/step" in out
+    run_dir = tmp_path / "runs" / "tiny"
+    trajs = read_jsonl(run_dir / "trajectories.jsonl")
+    assert len(trajs) == 12 and {t.rl_step for t in trajs} == {0, 1}
+    assert len(read_parquet(run_dir / "trajectories.parquet")) == 12
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [s["rl_step"] for s in summary["steps"]] == [0, 1]
+    assert (run_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["rollout", "--config", str(tmp_path / "missing.yaml")]) == 1
