@@ -202,3 +202,32 @@ def test_real_engines_end_to_end(tmp_path: Path) -> None:
                 for g in {t.group_id for t in out}}
     assert sorted(len(r) for r in by_group.values()) == [1, 1]  # a group stays together
     assert {out[0].replica_ids[0], out[3].replica_ids[0]} == {"r0", "r1"}
+
+
+def test_in_flight_limits_per_replica() -> None:
+    class Counting(ScriptedReplica):
+        def __init__(self) -> None:
+            super().__init__()
+            self.now = 0
+            self.peak = 0
+
+        async def generate(self, req: GenRequest) -> GenResult:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            try:
+                await asyncio.sleep(0.001)
+                return await super().generate(req)
+            finally:
+                self.now -= 1
+
+    tasks = sample_tasks("calculator", 4, 9)
+    reps = {"a": Counting(), "b": Counting()}
+    for t in tasks:
+        for g in range(3):
+            for r in reps.values():
+                r.script(trajectory_id(0, t.task_id, g), t)
+    out = run_step(tasks, reps, IO, RolloutConfig(group_size=3, max_in_flight_per_replica=2))
+    assert all(t.reward == 1.0 for t in out)
+    assert reps["a"].peak == 2 and reps["b"].peak == 2
+    with pytest.raises(ValueError, match="max_in_flight_per_replica"):
+        RolloutConfig(max_in_flight_per_replica=0)

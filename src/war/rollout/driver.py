@@ -35,6 +35,8 @@ class RolloutConfig:
     * ``rl_step``: the RL step's number (names trajectories; slides draft history).
     * ``seed``: sampling seeds of the step's trajectories derive from it.
     * ``max_in_flight``: most trajectories running at once (``None``: all).
+    * ``max_in_flight_per_replica``: most trajectories running at once on each
+      replica (``None``: no per-replica limit); sets a load level per replica.
     """
 
     group_size: int = 8
@@ -42,6 +44,7 @@ class RolloutConfig:
     rl_step: int = 0
     seed: int = 0
     max_in_flight: int | None = None
+    max_in_flight_per_replica: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
@@ -50,8 +53,11 @@ class RolloutConfig:
         if isinstance(self.rl_step, bool) or not isinstance(self.rl_step, int) \
                 or self.rl_step < 0:
             raise ValueError(f"rl_step must be an int >= 0, got {self.rl_step!r}")
-        if self.max_in_flight is not None and self.max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        for name in ("max_in_flight", "max_in_flight_per_replica"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 def trajectory_id(rl_step: int, task_id: str, sample: int) -> str:
@@ -106,11 +112,13 @@ async def run_step_async(
                 if t.trajectory_id in mine and t.finish_reason != "error"}
     placement = assign_groups(tasks, list(named), cfg.group_size)
     limit = asyncio.Semaphore(cfg.max_in_flight or max(len(wanted), 1))
+    per_replica = {name: asyncio.Semaphore(cfg.max_in_flight_per_replica or max(len(wanted), 1))
+                   for name in named}
     writer = JsonlWriter(output) if output is not None else None
 
     async def one(task: Task, sample: int, traj_id: str) -> Trajectory:
         name = placement[task.task_id]
-        async with limit:
+        async with limit, per_replica[name]:
             try:
                 env = make(task.env)
             except Exception as exc:  # a broken environment fails this trajectory only
