@@ -1,0 +1,46 @@
+"""The contract of a replica backend: how the router reaches one replica.
+
+Knows: the calls every backend answers and the errors that tell the router a
+replica is unusable. Does not know routing policies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from war.types import GenRequest, GenResult, ReplicaLoad
+
+
+class ReplicaUnavailable(RuntimeError):
+    """The replica did not answer (connection refused or lost, timeout, crashed
+    process, 5xx): the router marks it down and retries the request elsewhere."""
+
+
+class Backend(Protocol):
+    """One replica. ``generate`` is idempotent by ``request.request_id`` as far as
+    the caller is concerned: the router may send the same request to another
+    replica after this one failed."""
+
+    name: str
+
+    async def generate(self, request: GenRequest) -> GenResult:
+        """Raises ``ReplicaUnavailable`` when the replica cannot be used, and
+        ``ValueError`` (including ``UnknownTrajectory``) when it refuses the request."""
+        ...
+
+    async def load(self) -> ReplicaLoad:
+        """The replica's current load (raises ``ReplicaUnavailable``)."""
+        ...
+
+    async def health(self) -> bool:
+        """True when the replica answers its health check; never raises."""
+        ...
+
+    async def add_history(self, items: Sequence[tuple[Sequence[int], str | None]]) -> None:
+        """Shared draft history: completed responses (token ids, group id)."""
+        ...
+
+    async def close(self) -> None:
+        """Releases connections (and, for backends that own one, the replica)."""
+        ...

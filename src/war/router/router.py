@@ -1,0 +1,303 @@
+"""The router: places each request on a replica, survives replica failures.
+
+Knows: the replicas (backends) and their health, what it has sent to each and not
+yet seen completed, the routing policy (asked with ``now`` from an injected
+clock), each trajectory's context (so a turn that sends only its new tokens can be
+re-sent whole to another replica), retries, and shared draft history (a completed
+response is forwarded to the other replicas' speculators). Does not know how a
+replica computes, nor which policy is best.
+
+Failures: a replica that raises ``ReplicaUnavailable`` (refused, lost, timed out,
+crashed) is marked down, the policy forgets it, and the request is sent again to
+another replica with the same request id, with the trajectory's whole context;
+its trajectory goes on. A background task checks down replicas' health and lets
+them rejoin. Requests fail only when no replica is left or retries run out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from war.backends.base import Backend, ReplicaUnavailable
+from war.router.policies.base import ReplicaView, RoutingPolicy
+from war.types import GenRequest, GenResult, ReplicaLoad, UnknownTrajectory
+
+log = logging.getLogger(__name__)
+
+
+class NoReplicaAvailable(RuntimeError):
+    """Every replica is down (or the retries ran out)."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Settings of the router; validated on construction.
+
+    * ``max_attempts``: replicas tried for one request before it fails.
+    * ``health_interval_s``: how often down replicas are checked (and loads polled).
+    * ``share_history``: forward completed responses to the other replicas.
+    * ``max_trajectories``: trajectory contexts kept (least recently used dropped).
+    """
+
+    max_attempts: int = 4
+    health_interval_s: float = 1.0
+    share_history: bool = True
+    max_trajectories: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if not self.health_interval_s > 0:
+            raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        if self.max_trajectories < 1:
+            raise ValueError(f"max_trajectories must be >= 1, got {self.max_trajectories}")
+
+
+@dataclass
+class _Replica:
+    backend: Backend
+    healthy: bool = True
+    num_requests: int = 0
+    tokens_in_flight: int = 0
+    load: ReplicaLoad | None = None
+    served: int = 0
+    failures: int = 0
+
+
+@dataclass
+class RouterStats:
+    requests: int = 0
+    completed: int = 0
+    failed: int = 0
+    retries: int = 0
+    migrations: int = 0
+    resent_contexts: int = 0
+    replicas_marked_down: int = 0
+    history_forwarded: int = 0
+    per_replica: dict[str, int] = field(default_factory=dict)
+
+
+class Router:
+    """Routes ``GenRequest``s over backends with a policy. ``start()`` begins health
+    checks; ``close()`` stops them and closes the backends."""
+
+    def __init__(
+        self,
+        backends: Mapping[str, Backend] | Sequence[Backend],
+        policy: RoutingPolicy,
+        config: RouterConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        items = (list(backends.items()) if isinstance(backends, Mapping)
+                 else [(b.name, b) for b in backends])
+        if not items:
+            raise ValueError("a router needs at least one backend")
+        if len({name for name, _ in items}) != len(items):
+            raise ValueError("backend names must be distinct")
+        self.replicas: dict[str, _Replica] = {name: _Replica(b) for name, b in items}
+        self.policy = policy
+        self.config = config if config is not None else RouterConfig()
+        self._clock = clock
+        self.stats = RouterStats(per_replica=dict.fromkeys(self.replicas, 0))
+        self._contexts: OrderedDict[str, list[int]] = OrderedDict()
+        self._health_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._health_task is None:
+            self._health_task = asyncio.create_task(self._health_loop())
+
+    async def close(self, close_backends: bool = True) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        for task in list(self._background):
+            task.cancel()
+        if close_backends:
+            for r in self.replicas.values():
+                with contextlib.suppress(Exception):
+                    await r.backend.close()
+
+    async def __aenter__(self) -> Router:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ routing
+
+    def views(self) -> list[ReplicaView]:
+        out = []
+        for name, r in self.replicas.items():
+            load = r.load
+            total = load.kv_blocks_total * load.block_size if load else None
+            out.append(ReplicaView(
+                name=name, healthy=r.healthy, num_requests=r.num_requests,
+                tokens_in_flight=r.tokens_in_flight,
+                kv_free_tokens=load.kv_free_tokens if load else None,
+                kv_total_tokens=total if total else None,
+                num_waiting=load.num_waiting if load else 0))
+        return out
+
+    async def generate(self, request: GenRequest) -> GenResult:
+        """Serves one request on some replica, retrying elsewhere on failure."""
+        self.stats.requests += 1
+        full = self._full_prompt(request)
+        attempts = 0
+        tried: set[str] = set()
+        while True:
+            healthy = [v for v in self.views() if v.healthy]
+            if not healthy:
+                self.stats.failed += 1
+                raise NoReplicaAvailable(f"request {request.request_id}: no replica is up")
+            decision = self.policy.select(request, healthy, self._clock())
+            name = decision.replica
+            if name not in self.replicas or not self.replicas[name].healthy:
+                raise RuntimeError(f"policy {self.policy.name} chose {name!r}, which is not a "
+                                   "healthy replica")
+            if decision.migrated:
+                self.stats.migrations += 1
+            send = request
+            if decision.priority is not None:
+                send = dataclasses.replace(send, priority=decision.priority)
+            if (send.continues and (name in tried or decision.migrated)) and full is not None:
+                send = dataclasses.replace(send, prompt_ids=tuple(full), continues=False)
+            rep = self.replicas[name]
+            size = len(full if full is not None else send.prompt_ids) + send.sampling.max_tokens
+            rep.num_requests += 1
+            rep.tokens_in_flight += size
+            try:
+                result = await self._send(rep, send, full)
+            except ReplicaUnavailable as exc:
+                self._mark_down(name, exc)
+                self.policy.on_complete(request, None, name, self._clock())
+                attempts += 1
+                tried.add(name)
+                if attempts >= self.config.max_attempts:
+                    self.stats.failed += 1
+                    raise NoReplicaAvailable(
+                        f"request {request.request_id}: failed on {sorted(tried)}") from exc
+                self.stats.retries += 1
+                if full is None and request.continues:
+                    self.stats.failed += 1
+                    raise UnknownTrajectory(
+                        f"request {request.request_id}: its replica failed and the router "
+                        "does not hold the trajectory's context; send the whole context"
+                    ) from exc
+                continue
+            except BaseException:
+                self.policy.on_complete(request, None, name, self._clock())
+                raise
+            finally:
+                rep.num_requests -= 1
+                rep.tokens_in_flight -= size
+            rep.served += 1
+            self.stats.completed += 1
+            self.stats.per_replica[name] = self.stats.per_replica.get(name, 0) + 1
+            self.policy.on_complete(request, result, name, self._clock())
+            self._remember(request, full, result)
+            if self.config.share_history and request.group_id is not None:
+                self._share(name, result, request.group_id)
+            return result
+
+    async def _send(self, rep: _Replica, request: GenRequest, full: list[int] | None) -> GenResult:
+        try:
+            return await rep.backend.generate(request)
+        except UnknownTrajectory:
+            if full is None:
+                raise
+            self.stats.resent_contexts += 1
+            whole = dataclasses.replace(request, prompt_ids=tuple(full), continues=False)
+            return await rep.backend.generate(whole)
+
+    def _full_prompt(self, request: GenRequest) -> list[int] | None:
+        """The request's whole context: its prompt, or for a continuing turn the
+        trajectory's held context plus the new tokens (None if not held)."""
+        if not request.continues:
+            return list(request.prompt_ids)
+        held = self._contexts.get(request.trajectory_id or "")
+        if held is None:
+            return None
+        return held + list(request.prompt_ids)
+
+    def _remember(self, request: GenRequest, full: list[int] | None,
+                  result: GenResult) -> None:
+        tid = request.trajectory_id
+        if tid is None:
+            return
+        if full is None:
+            self._contexts.pop(tid, None)
+            return
+        self._contexts[tid] = full + list(result.output_ids)
+        self._contexts.move_to_end(tid)
+        while len(self._contexts) > self.config.max_trajectories:
+            self._contexts.popitem(last=False)
+
+    def _share(self, source: str, result: GenResult, group_id: str) -> None:
+        if not result.output_ids:
+            return
+        item = [(list(result.output_ids), group_id)]
+        for name, rep in self.replicas.items():
+            if name == source or not rep.healthy:
+                continue
+            task = asyncio.create_task(self._forward(rep, item))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _forward(self, rep: _Replica,
+                       items: Sequence[tuple[Sequence[int], str | None]]) -> None:
+        try:
+            await rep.backend.add_history(items)
+            self.stats.history_forwarded += len(items)
+        except Exception as exc:  # history is an optimization: never fail a request for it
+            log.debug("history to %s failed: %r", rep.backend.name, exc)
+
+    # ------------------------------------------------------------ health
+
+    def _mark_down(self, name: str, exc: BaseException) -> None:
+        rep = self.replicas[name]
+        rep.failures += 1
+        if rep.healthy:
+            rep.healthy = False
+            self.stats.replicas_marked_down += 1
+            log.warning("replica %s marked down: %s", name, exc)
+            self.policy.on_replica_down(name, self._clock())
+
+    async def check_health(self) -> None:
+        """One round: down replicas that answer rejoin; loads are refreshed."""
+        for name, rep in self.replicas.items():
+            if not rep.healthy:
+                if not await rep.backend.health():
+                    continue
+                rep.healthy = True
+                log.warning("replica %s is back", name)
+            try:
+                rep.load = await rep.backend.load()
+            except ReplicaUnavailable as exc:
+                self._mark_down(name, exc)
+            except Exception as exc:  # a load report is advisory
+                log.debug("load of %s failed: %r", name, exc)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await self.check_health()
+            await asyncio.sleep(self.config.health_interval_s)
+
+    def fleet_load(self) -> dict[str, dict[str, object]]:
+        return {name: {"healthy": r.healthy, "num_requests": r.num_requests,
+                       "tokens_in_flight": r.tokens_in_flight, "served": r.served,
+                       "failures": r.failures,
+                       "load": dataclasses.asdict(r.load) if r.load else None}
+                for name, r in self.replicas.items()}

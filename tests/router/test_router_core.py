@@ -1,0 +1,219 @@
+"""The router over fake backends: failover and retries, continuing turns moved
+between replicas, shared history, health checks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from war.backends.base import ReplicaUnavailable
+from war.router.policies.base import Decision, ReplicaView
+from war.router.router import NoReplicaAvailable, Router, RouterConfig
+from war.types import GenRequest, GenResult, ReplicaLoad, SamplingParams, UnknownTrajectory
+
+SP = SamplingParams(temperature=0.0, max_tokens=3)
+
+
+class Echo:
+    """A replica whose output is a function of the whole context, which it keeps
+    per trajectory like a WAR replica does."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.down = False
+        self.fail_next = 0
+        self.held: dict[str, list[int]] = {}
+        self.requests: list[GenRequest] = []
+        self.history: list[tuple[list[int], str | None]] = []
+
+    async def generate(self, request: GenRequest) -> GenResult:
+        self.requests.append(request)
+        await asyncio.sleep(0)
+        if self.down or self.fail_next:
+            self.fail_next = max(0, self.fail_next - 1)
+            raise ReplicaUnavailable(f"{self.name} is down")
+        if request.continues:
+            held = self.held.get(request.trajectory_id or "")
+            if held is None:
+                raise UnknownTrajectory("not here")
+            ctx = held + list(request.prompt_ids)
+        else:
+            ctx = list(request.prompt_ids)
+        out = tuple((sum(ctx) + i) % 50 for i in range(request.sampling.max_tokens))
+        if request.trajectory_id:
+            self.held[request.trajectory_id] = ctx + list(out)
+        return GenResult(request.request_id, out, (-0.5,) * len(out), "length", len(ctx))
+
+    async def load(self) -> ReplicaLoad:
+        if self.down:
+            raise ReplicaUnavailable("down")
+        return ReplicaLoad(0, 0, 0, 1, 100, 16)
+
+    async def health(self) -> bool:
+        return not self.down
+
+    async def add_history(self, items: Sequence[tuple[Sequence[int], str | None]]) -> None:
+        self.history.extend((list(t), g) for t, g in items)
+
+    async def close(self) -> None:
+        pass
+
+
+class Sticky:
+    """A minimal policy: a trajectory stays where it started; new ones go to the
+    replica with the fewest requests (ties by name)."""
+
+    name = "sticky"
+
+    def __init__(self) -> None:
+        self.home: dict[str, str] = {}
+        self.completed: list[tuple[str, bool]] = []
+        self.down: list[str] = []
+
+    def select(self, request: GenRequest, replicas: list[ReplicaView], now: float) -> Decision:
+        names = [r.name for r in replicas]
+        tid = request.trajectory_id or request.request_id
+        home = self.home.get(tid)
+        if home in names:
+            return Decision(home, priority=7.0)
+        best = min(replicas, key=lambda r: (r.num_requests, r.name)).name
+        self.home[tid] = best
+        return Decision(best, priority=7.0, migrated=home is not None)
+
+    def on_complete(self, request: GenRequest, result: GenResult | None, replica: str,
+                    now: float) -> None:
+        self.completed.append((replica, result is not None))
+
+    def on_replica_down(self, replica: str, now: float) -> None:
+        self.down.append(replica)
+
+
+def router(*names: str, **cfg: object) -> tuple[Router, dict[str, Echo], Sticky]:
+    reps = {n: Echo(n) for n in names}
+    policy = Sticky()
+    return Router(reps, policy, RouterConfig(**cfg), clock=lambda: 0.0), reps, policy  # type: ignore[arg-type]
+
+
+def test_routes_sets_priority_and_shares_history() -> None:
+    r, reps, _policy = router("a", "b")
+
+    async def main() -> list[GenResult]:
+        out = await asyncio.gather(*[
+            r.generate(GenRequest(f"q{i}", (i, 1), SP, trajectory_id=f"t{i}", group_id="g"))
+            for i in range(4)])
+        await asyncio.sleep(0.01)  # history forwarding is in the background
+        return list(out)
+
+    out = asyncio.run(main())
+    assert [o.output_ids[0] for o in out] == [(i + 1) % 50 for i in range(4)]
+    assert all(q.priority == 7.0 for rep in reps.values() for q in rep.requests)
+    assert r.stats.completed == 4 and sorted(r.stats.per_replica.values()) == [2, 2]
+    # each replica got the other's responses as draft history
+    assert len(reps["a"].history) == 2 and len(reps["b"].history) == 2
+    assert r.stats.history_forwarded == 4
+
+
+def test_failover_retries_elsewhere_with_the_whole_context() -> None:
+    r, reps, policy = router("a", "b")
+
+    async def main() -> tuple[GenResult, GenResult, GenResult]:
+        first = await r.generate(GenRequest("t/0", (1, 2, 3), SP, trajectory_id="t"))
+        home = reps["a"] if reps["a"].requests else reps["b"]
+        other = reps["b"] if home is reps["a"] else reps["a"]
+        home.down = True
+        # the next turn sends only its new tokens; the router resends the whole context
+        second = await r.generate(GenRequest("t/1", (9,), SP, trajectory_id="t", continues=True))
+        assert other.requests[-1].continues is False
+        assert list(other.requests[-1].prompt_ids) == [1, 2, 3, *first.output_ids, 9]
+        ref = Echo("ref")
+        want = await ref.generate(GenRequest("x", (1, 2, 3, *first.output_ids, 9), SP))
+        return first, second, want
+
+    _first, second, want = asyncio.run(main())
+    assert second.output_ids == want.output_ids
+    assert r.stats.retries == 1 and r.stats.replicas_marked_down == 1
+    assert len(policy.down) == 1 and (policy.down[0], False) in policy.completed
+
+
+def test_unknown_trajectory_is_resent_whole_and_down_replicas_rejoin() -> None:
+    r, reps, _ = router("a")
+
+    async def main() -> None:
+        await r.generate(GenRequest("t/0", (4, 5), SP, trajectory_id="t"))
+        reps["a"].held.clear()  # e.g. the replica evicted it
+        res = await r.generate(GenRequest("t/1", (6,), SP, trajectory_id="t", continues=True))
+        assert res.num_prompt_tokens == 2 + 3 + 1
+        assert r.stats.resent_contexts == 1
+        reps["a"].down = True
+        with pytest.raises(NoReplicaAvailable):
+            await r.generate(GenRequest("u", (1,), SP))
+        with pytest.raises(NoReplicaAvailable, match="no replica is up"):
+            await r.generate(GenRequest("v", (1,), SP))
+        reps["a"].down = False
+        await r.check_health()
+        assert (await r.generate(GenRequest("w", (1,), SP))).output_ids
+
+    asyncio.run(main())
+
+
+def test_refusals_are_not_retried_and_unknown_contexts_go_back_to_the_client() -> None:
+    r, _reps, _ = router("a", "b")
+
+    class Refuse(Echo):
+        async def generate(self, request: GenRequest) -> GenResult:
+            raise ValueError("token id 999 outside the vocabulary")
+
+    r.replicas["a"].backend = Refuse("a")
+    r.replicas["b"].backend = Refuse("b")
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="vocabulary"):
+            await r.generate(GenRequest("q", (1,), SP))
+
+    asyncio.run(main())
+    assert r.stats.retries == 0
+    r2, reps2, _ = router("a", "b")
+    reps2["a"].down = reps2["b"].down = False
+
+    async def cont() -> None:
+        with pytest.raises(UnknownTrajectory):  # the router never saw this trajectory
+            await r2.generate(GenRequest("q", (1,), SP, trajectory_id="zz", continues=True))
+
+    asyncio.run(cont())
+
+
+def test_retry_budget_and_config_validation() -> None:
+    r, reps, _ = router("a", "b", "c", max_attempts=2)
+    for rep in reps.values():
+        rep.fail_next = 1
+
+    async def main() -> None:
+        with pytest.raises(NoReplicaAvailable, match="failed on"):
+            await r.generate(GenRequest("q", (1,), SP))
+
+    asyncio.run(main())
+    assert r.stats.failed == 1
+    with pytest.raises(ValueError):
+        RouterConfig(max_attempts=0)
+    with pytest.raises(ValueError, match="at least one"):
+        Router({}, Sticky())
+
+
+def test_health_loop_runs_and_stops() -> None:
+    r, reps, _ = router("a", health_interval_s=0.01)
+
+    async def main() -> None:
+        async with r:
+            reps["a"].down = True
+            r.replicas["a"].healthy = False
+            reps["a"].down = False
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if r.replicas["a"].healthy:
+                    break
+            assert r.replicas["a"].healthy
+            assert r.replicas["a"].load is not None
+
+    asyncio.run(main())
