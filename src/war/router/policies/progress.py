@@ -1,0 +1,380 @@
+"""Trajectory progress: how much work a trajectory probably has left.
+
+Knows: each tracked trajectory's progress (turns and generated tokens seen through
+the router), which trajectories have finished, and per group (GRPO samples of one
+task; WAR's rollout uses the task id, so a group recurs in later RL steps) the
+totals of its finished samples, weighted down exponentially with age so earlier
+steps count less than the current one. Also a small bounded, time-forgetting map
+(``RecentMap``) that policies use for per-trajectory state. Does not know token
+contents, replicas, the clock (every time is ``now``), nor the end of an episode
+for certain: a trajectory counts as finished when ``finish`` is called, or when it
+has been idle (no request in flight) for ``finish_idle_s``; if it comes back it is
+taken out of its group's finished samples again.
+
+The estimate (``expected_remaining``), for a trajectory that has done ``k`` turns
+and generated ``d`` tokens, from finished samples ``i`` with ``K_i`` turns, ``T_i``
+generated tokens, finished at ``t_i``, weight ``w_i = 0.5 ** ((t_newest - t_i) /
+half_life_s)`` (an age-based weight at any later ``now`` differs by a common factor,
+which cancels in the ratios below, so the estimate needs no clock)::
+
+    remaining_turns = sum_{K_i > k} w_i (K_i - k) / sum_{K_i > k} w_i
+                      (1 when no sample ran more than k turns: the turn being sent)
+    sample_rate     = sum_i w_i T_i / sum_i w_i K_i           tokens per turn
+    rate            = (d + c * sample_rate) / (k + c)         c = rate_prior_turns
+    remaining       = remaining_turns * rate                  tokens
+
+``remaining_turns`` is the mean residual number of turns of the samples that got
+at least as far; ``rate`` shrinks the trajectory's own tokens-per-turn towards its
+siblings', by ``c`` pseudo-turns. The samples are the group's when it has any, else
+every group's (the fleet prior); with none at all the estimate is ``None`` (the
+caller keeps its own default).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import count
+from typing import Generic, NamedTuple, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class RecentMap(Generic[K, V]):
+    """A map that forgets entries not put for ``ttl_s`` and keeps at most
+    ``max_items`` (the least recently put go first). ``get`` does not refresh an
+    entry; ``put`` does. Times are the callers' ``now``."""
+
+    def __init__(self, max_items: int, ttl_s: float) -> None:
+        if max_items < 1:
+            raise ValueError(f"max_items must be >= 1, got {max_items}")
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.max_items = max_items
+        self.ttl_s = ttl_s
+        self._items: OrderedDict[K, tuple[V, float]] = OrderedDict()
+
+    def get(self, key: K, now: float) -> V | None:
+        item = self._items.get(key)
+        if item is None:
+            return None
+        if item[1] + self.ttl_s < now:
+            del self._items[key]
+            return None
+        return item[0]
+
+    def put(self, key: K, value: V, now: float) -> None:
+        self._items[key] = (value, now)
+        self._items.move_to_end(key)
+        while len(self._items) > self.max_items:
+            self._items.popitem(last=False)
+
+    def pop(self, key: K) -> V | None:
+        item = self._items.pop(key, None)
+        return None if item is None else item[0]
+
+    def expire(self, now: float) -> int:
+        """Forgets entries older than ``ttl_s``; returns how many."""
+        n = 0
+        while self._items:
+            key, (_, seen) = next(iter(self._items.items()))
+            if seen + self.ttl_s >= now:
+                break
+            del self._items[key]
+            n += 1
+        return n
+
+    def items(self) -> Iterator[tuple[K, V]]:
+        """(key, value) pairs, least recently put first."""
+        return ((k, v) for k, (v, _) in self._items.items())
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+
+@dataclass(frozen=True)
+class ProgressConfig:
+    """Settings of ``ProgressEstimator``; validated on construction.
+
+    * ``finish_idle_s``: a trajectory with no request in flight for this long counts
+      as finished (agent loops call tools between turns; set it above the slowest
+      tool call you expect).
+    * ``trajectory_ttl_s``: a trajectory not seen for this long is forgotten (its
+      finished sample stays); at least ``finish_idle_s``.
+    * ``max_trajectories``: trajectories tracked at most (finished ones are forgotten
+      first, then idle ones, then the least recently active).
+    * ``half_life_s``: age at which a finished sample weighs half (earlier RL steps
+      of the same group fade out).
+    * ``max_samples_per_group``: finished samples kept per group (newest kept).
+    * ``max_groups``: groups kept (least recently updated dropped).
+    * ``max_global_samples``: finished samples kept for the fleet-wide prior.
+    * ``rate_prior_turns``: pseudo-turns of the siblings' tokens per turn mixed into
+      a trajectory's own rate (``c`` in the module docstring).
+    """
+
+    finish_idle_s: float = 60.0
+    trajectory_ttl_s: float = 1800.0
+    max_trajectories: int = 100_000
+    half_life_s: float = 1800.0
+    max_samples_per_group: int = 64
+    max_groups: int = 10_000
+    max_global_samples: int = 1024
+    rate_prior_turns: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.finish_idle_s > 0:
+            raise ValueError(f"finish_idle_s must be > 0, got {self.finish_idle_s}")
+        if not self.trajectory_ttl_s >= self.finish_idle_s:
+            raise ValueError(f"trajectory_ttl_s ({self.trajectory_ttl_s}) must be >= "
+                             f"finish_idle_s ({self.finish_idle_s})")
+        if not self.half_life_s > 0:
+            raise ValueError(f"half_life_s must be > 0, got {self.half_life_s}")
+        for name in ("max_trajectories", "max_samples_per_group", "max_groups",
+                     "max_global_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.rate_prior_turns >= 0:
+            raise ValueError(f"rate_prior_turns must be >= 0, got {self.rate_prior_turns}")
+
+
+class Sample(NamedTuple):
+    """A finished trajectory: its turns, generated tokens and end time."""
+
+    turns: int
+    tokens: int
+    end: float
+
+
+class Progress(NamedTuple):
+    """What a trajectory has done so far."""
+
+    group_id: str | None
+    turns: int
+    tokens: int
+    in_flight: int
+
+
+@dataclass
+class _Traj:
+    group_id: str | None
+    turns: int = 0
+    tokens: int = 0
+    in_flight: int = 0
+    since: float = 0.0  # last begin (active) or when it went idle / finished
+    counted: bool = False  # its totals are among the finished samples
+
+
+class ProgressEstimator:
+    """Tracks trajectories' progress and groups' finished samples; estimates the
+    remaining work of a trajectory. Every call may expire old state at ``now``."""
+
+    def __init__(self, config: ProgressConfig | None = None) -> None:
+        self.config = config if config is not None else ProgressConfig()
+        # a trajectory is in exactly one of these, each ordered by ``since``
+        self._active: OrderedDict[str, _Traj] = OrderedDict()  # requests in flight
+        self._idle: OrderedDict[str, _Traj] = OrderedDict()  # none in flight, not counted
+        self._done: OrderedDict[str, _Traj] = OrderedDict()  # counted as finished
+        self._groups: OrderedDict[str, OrderedDict[str, Sample]] = OrderedDict()
+        self._global: OrderedDict[str, Sample] = OrderedDict()
+        self._anon = count()
+
+    # ------------------------------------------------------------------ observing
+
+    def begin(self, trajectory_id: str, group_id: str | None, now: float) -> None:
+        """A request of the trajectory was sent."""
+        self.expire(now)
+        t = self._take(trajectory_id)
+        if t is None:
+            t = _Traj(group_id)
+        elif t.counted:  # it was not finished after all
+            self._uncount(trajectory_id, t)
+        if group_id is not None:
+            t.group_id = group_id
+        t.in_flight += 1
+        t.since = now
+        self._active[trajectory_id] = t
+        self._bound()
+
+    def observe(self, trajectory_id: str, group_id: str | None, generated_tokens: int,
+                now: float) -> None:
+        """A turn of the trajectory completed with ``generated_tokens`` new tokens."""
+        if generated_tokens < 0:
+            raise ValueError(f"trajectory {trajectory_id}: generated_tokens < 0")
+        self.expire(now)
+        t = self._take(trajectory_id)
+        if t is None:  # forgotten (or never begun here): start from this turn
+            t = _Traj(group_id)
+        elif t.counted:
+            self._uncount(trajectory_id, t)
+        if group_id is not None:
+            t.group_id = group_id
+        t.turns += 1
+        t.tokens += generated_tokens
+        self._settle(trajectory_id, t, now)
+
+    def abort(self, trajectory_id: str, now: float) -> None:
+        """A request of the trajectory failed (no turn was done)."""
+        self.expire(now)
+        t = self._take(trajectory_id)
+        if t is not None:
+            self._settle(trajectory_id, t, now)
+
+    def finish(self, trajectory_id: str, now: float) -> None:
+        """The trajectory ended: its totals become a finished sample of its group."""
+        self.expire(now)
+        t = self._take(trajectory_id)
+        if t is None:
+            return
+        t.in_flight = 0
+        if not t.counted:
+            t.since = now
+            self._count(trajectory_id, t)
+        self._done[trajectory_id] = t
+
+    def add_sample(self, group_id: str | None, turns: int, tokens: int, now: float,
+                   trajectory_id: str | None = None) -> None:
+        """Records a finished sample directly (e.g. from an earlier run's records)."""
+        if turns < 1 or tokens < 0:
+            raise ValueError(f"a sample needs turns >= 1 and tokens >= 0, got {turns}, {tokens}")
+        key = trajectory_id if trajectory_id is not None else f"\0sample{next(self._anon)}"
+        self._record(key, group_id, Sample(turns, tokens, now))
+
+    # ------------------------------------------------------------------ estimating
+
+    def progress(self, trajectory_id: str) -> Progress | None:
+        """The trajectory's progress, if tracked."""
+        for table in (self._active, self._idle, self._done):
+            t = table.get(trajectory_id)
+            if t is not None:
+                return Progress(t.group_id, t.turns, t.tokens, t.in_flight)
+        return None
+
+    def samples(self, group_id: str | None) -> list[Sample]:
+        """The group's finished samples (``None``: the fleet-wide ones), oldest first."""
+        table = self._global if group_id is None else self._groups.get(group_id)
+        return list(table.values()) if table else []
+
+    def expected_remaining(self, group_id: str | None, turns_done: int,
+                           tokens_done: int) -> float | None:
+        """Expected tokens still to generate by a trajectory of ``group_id`` that has
+        done ``turns_done`` turns and ``tokens_done`` tokens (module docstring);
+        ``None`` when no finished sample is known."""
+        samples = self.samples(group_id) if group_id is not None else []
+        if not samples:
+            samples = self.samples(None)
+        if not samples:
+            return None
+        # weights relative to the newest sample: the estimate is a ratio of weighted
+        # sums, so this equals weighting by age at any ``now`` and cannot underflow
+        newest = max(s.end for s in samples)
+        half_life = self.config.half_life_s
+        sum_wt = sum_wk = ahead_w = ahead_wk = 0.0
+        for s in samples:
+            w = 0.5 ** ((newest - s.end) / half_life)
+            sum_wt += w * s.tokens
+            sum_wk += w * s.turns
+            if s.turns > turns_done:
+                ahead_w += w
+                ahead_wk += w * (s.turns - turns_done)
+        sample_rate = sum_wt / sum_wk if sum_wk > 0.0 else 0.0
+        remaining_turns = ahead_wk / ahead_w if ahead_w > 0.0 else 1.0
+        c = self.config.rate_prior_turns
+        rate = ((tokens_done + c * sample_rate) / (turns_done + c) if turns_done + c > 0
+                else sample_rate)
+        return remaining_turns * rate
+
+    def remaining_for(self, trajectory_id: str, group_id: str | None) -> float | None:
+        """``expected_remaining`` for a tracked trajectory's own progress (an unknown
+        one: nothing done yet)."""
+        p = self.progress(trajectory_id)
+        turns, tokens = (p.turns, p.tokens) if p is not None else (0, 0)
+        gid = group_id if group_id is not None else (p.group_id if p is not None else None)
+        return self.expected_remaining(gid, turns, tokens)
+
+    def num_tracked(self) -> int:
+        return len(self._active) + len(self._idle) + len(self._done)
+
+    # ------------------------------------------------------------------ memory
+
+    def expire(self, now: float) -> None:
+        """Counts idle trajectories as finished after ``finish_idle_s`` and forgets
+        trajectories not seen for ``trajectory_ttl_s``."""
+        cfg = self.config
+        while self._idle:
+            tid, t = next(iter(self._idle.items()))
+            if t.since + cfg.finish_idle_s > now:
+                break
+            del self._idle[tid]
+            self._count(tid, t)
+            self._done[tid] = t
+        for table in (self._done, self._active):
+            while table:
+                tid, t = next(iter(table.items()))
+                if t.since + cfg.trajectory_ttl_s >= now:
+                    break
+                del table[tid]
+
+    def _bound(self) -> None:
+        cap = self.config.max_trajectories
+        while self.num_tracked() > cap and self._done:
+            self._done.popitem(last=False)
+        while self.num_tracked() > cap and self._idle:
+            tid, t = self._idle.popitem(last=False)
+            self._count(tid, t)  # idle the longest: most likely finished
+        while self.num_tracked() > cap and self._active:
+            self._active.popitem(last=False)
+
+    # ------------------------------------------------------------------ internals
+
+    def _take(self, trajectory_id: str) -> _Traj | None:
+        for table in (self._active, self._idle, self._done):
+            t = table.pop(trajectory_id, None)
+            if t is not None:
+                return t
+        return None
+
+    def _settle(self, trajectory_id: str, t: _Traj, now: float) -> None:
+        """Puts ``t`` back after one of its requests ended."""
+        t.in_flight = max(0, t.in_flight - 1)
+        t.since = now
+        if t.in_flight:
+            self._active[trajectory_id] = t
+        else:
+            self._idle[trajectory_id] = t
+        self._bound()
+
+    def _count(self, trajectory_id: str, t: _Traj) -> None:
+        t.counted = True
+        if t.turns >= 1:
+            self._record(trajectory_id, t.group_id, Sample(t.turns, t.tokens, t.since))
+
+    def _uncount(self, trajectory_id: str, t: _Traj) -> None:
+        t.counted = False
+        if t.group_id is not None:
+            group = self._groups.get(t.group_id)
+            if group is not None:
+                group.pop(trajectory_id, None)
+        self._global.pop(trajectory_id, None)
+
+    def _record(self, key: str, group_id: str | None, sample: Sample) -> None:
+        cfg = self.config
+        if group_id is not None:
+            group = self._groups.pop(group_id, None)
+            if group is None:
+                group = OrderedDict()
+            group.pop(key, None)
+            group[key] = sample
+            while len(group) > cfg.max_samples_per_group:
+                group.popitem(last=False)
+            self._groups[group_id] = group  # most recently updated last
+            while len(self._groups) > cfg.max_groups:
+                self._groups.popitem(last=False)
+        self._global.pop(key, None)
+        self._global[key] = sample
+        while len(self._global) > cfg.max_global_samples:
+            self._global.popitem(last=False)

@@ -1,0 +1,260 @@
+"""WAR's routing policy: trajectory and group locality, bounded by load, long tail first.
+
+Knows: which replica holds each recent trajectory's KV (the one that served its
+previous turn) and how long its context is, an approximate prefix tree per replica
+(``PrefixTree``: where groups' shared prompts are cached), each replica's load as
+the router sees it, and trajectories' progress against their groups' finished
+samples (``ProgressEstimator``). Does not know what replicas really cache, how a
+replica schedules, nor the clock: every time is ``now``, so the simulator replays it.
+
+Load score (tokens; one number per replica, ``load_score``)::
+
+    load = max(tokens_in_flight, kv_total_tokens - kv_free_tokens)
+
+``tokens_in_flight`` is what this router sent and has not seen completed (prompt +
+max new tokens of each request, so queued requests count too); the KV term is
+what the replica last reported in use (it also sees other clients' requests, and
+lags by one load report). Their maximum is the better-informed of the two, without
+double counting this router's own requests. Tokens, not request counts, because
+agentic requests differ by orders of magnitude in context and output length.
+
+Rules, per request, over the healthy replicas:
+
+1. Capacity: only replicas whose KV can hold the request (context + max_tokens <=
+   ``kv_total_tokens``; unknown capacity counts as enough) are candidates; if none
+   can, the largest ones are.
+2. Stickiness: a trajectory's next turn goes to the replica holding its KV unless
+   that replica is overloaded against the least loaded candidate: ``load - min >
+   migrate_abs_tokens`` and ``load > migrate_rel * min`` (both). Then it moves
+   (rule 3 picks the target, without the holder), ``Decision.migrated`` is set and
+   ``stats.migrations`` counts it. A request that ``continues`` (it carries only new
+   tokens; the other replicas lack its context) never moves for load: only when its
+   replica is down or cannot hold it (``stats.failovers``; the router then resends
+   the whole context, as it does on ``UnknownTrajectory``).
+3. Placement (new trajectories, moves, requests without a trajectory): among
+   candidates holding at least ``group_match_threshold`` of the prompt (the group's
+   shared task prompt, per the prefix tree) and not overloaded against the least
+   loaded candidate by ``group_abs_tokens`` / ``group_rel`` (both), the longest
+   match wins (``stats.co_located``); if there is none, the least loaded candidate
+   (``stats.spread``). So a group's samples share one replica's cached prompt
+   until that replica runs ahead of the fleet, then spill to the next; the group
+   tolerance is tighter than the stickiness one because a move loses only the
+   shared prompt, not a whole trajectory's context.
+4. Priority: ``Decision.priority`` is the trajectory's expected remaining generated
+   tokens (``ProgressEstimator``: from its group's finished samples, this step's
+   and earlier steps' with exponential decay, given the turns and tokens it has
+   done), so replicas serve the long tail first; ``None`` (the request keeps its
+   own priority) while no finished sample is known.
+
+Ties break by load, then name: the same inputs give the same decisions. Memory is
+bounded: trajectories unseen for ``trajectory_ttl_s`` are forgotten and at most
+``max_trajectories`` are kept (also in the progress estimator, with its own
+``ProgressConfig``); the tree keeps at most ``max_tree_tokens`` per replica.
+``on_replica_down`` drops the replica's tree and the stickiness to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from war.router.policies.base import Decision, ReplicaView
+from war.router.policies.cache_aware import is_imbalanced
+from war.router.policies.prefix_tree import PrefixTree
+from war.router.policies.progress import ProgressConfig, ProgressEstimator, RecentMap
+from war.router.policies.round_robin import healthy_sorted
+from war.types import GenRequest, GenResult
+
+
+@dataclass(frozen=True)
+class WarPolicyConfig:
+    """Settings of ``WarPolicy`` (rules in the module docstring); validated on
+    construction.
+
+    * ``migrate_abs_tokens``, ``migrate_rel``: how far a trajectory's replica may
+      run ahead of the least loaded one (in load-score tokens, and as a ratio;
+      exceeding both moves the turn). Defaults mirror SGLang's 64 requests and 1.5
+      at ~512 tokens a request.
+    * ``group_abs_tokens``, ``group_rel``: the same tolerance for placing a new
+      trajectory with its group's cached prompt.
+    * ``group_match_threshold``: fraction of the prompt a replica must hold for it
+      to count as holding the group's prefix (a group's first turns share all of
+      it; other groups share a system prompt at most).
+    * ``max_tree_tokens``: prefix-tree tokens per replica (about its KV capacity).
+    * ``trajectory_ttl_s``, ``max_trajectories``: bounds on remembered placements.
+    * ``progress_priority``: set ``Decision.priority`` from expected remaining work.
+    * ``progress``: the progress estimator's settings.
+    """
+
+    migrate_abs_tokens: int = 32_768
+    migrate_rel: float = 1.5
+    group_abs_tokens: int = 8_192
+    group_rel: float = 1.25
+    group_match_threshold: float = 0.5
+    max_tree_tokens: int = 1 << 21
+    trajectory_ttl_s: float = 1800.0
+    max_trajectories: int = 100_000
+    progress_priority: bool = True
+    progress: ProgressConfig = field(default_factory=ProgressConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("migrate_abs_tokens", "group_abs_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("migrate_rel", "group_rel"):
+            if not getattr(self, name) >= 1.0:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.group_match_threshold <= 1.0:
+            raise ValueError(
+                f"group_match_threshold must be in [0, 1], got {self.group_match_threshold}")
+        if self.max_tree_tokens < 1:
+            raise ValueError(f"max_tree_tokens must be >= 1, got {self.max_tree_tokens}")
+        if not self.trajectory_ttl_s > 0:
+            raise ValueError(f"trajectory_ttl_s must be > 0, got {self.trajectory_ttl_s}")
+        if self.max_trajectories < 1:
+            raise ValueError(f"max_trajectories must be >= 1, got {self.max_trajectories}")
+        if not isinstance(self.progress, ProgressConfig):
+            raise ValueError(f"progress must be a ProgressConfig, got {self.progress!r}")
+
+
+def load_score(replica: ReplicaView) -> float:
+    """The replica's load in tokens (module docstring)."""
+    used = 0
+    if replica.kv_total_tokens is not None and replica.kv_free_tokens is not None:
+        used = max(0, replica.kv_total_tokens - replica.kv_free_tokens)
+    return float(max(replica.tokens_in_flight, used))
+
+
+@dataclass
+class WarPolicyStats:
+    """Counts of the decisions taken, by rule."""
+
+    sticky: int = 0  # a turn stayed on its trajectory's replica
+    migrations: int = 0  # a turn left its replica for load
+    failovers: int = 0  # a turn left its replica: down, or too small for it
+    co_located: int = 0  # placed with the longest cached prefix
+    spread: int = 0  # placed on the least loaded replica
+
+
+@dataclass
+class _Placement:
+    replica: str | None  # holds the trajectory's KV; None: that replica went down
+    context_len: int  # tokens of the trajectory's context known here
+
+
+class WarPolicy:
+    """WAR's default routing policy (module docstring)."""
+
+    name: str = "war"
+
+    def __init__(self, config: WarPolicyConfig | None = None) -> None:
+        self.config = config if config is not None else WarPolicyConfig()
+        self.tree = PrefixTree(self.config.max_tree_tokens)
+        self.progress = ProgressEstimator(self.config.progress)
+        self.stats = WarPolicyStats()
+        self._placements: RecentMap[str, _Placement] = RecentMap(
+            self.config.max_trajectories, self.config.trajectory_ttl_s)
+
+    # ------------------------------------------------------------------ routing
+
+    def select(self, request: GenRequest, replicas: list[ReplicaView], now: float) -> Decision:
+        cfg = self.config
+        healthy = healthy_sorted(replicas)
+        self._placements.expire(now)
+        tid = request.trajectory_id
+        state = self._placements.get(tid, now) if tid is not None else None
+        prompt_len = len(request.prompt_ids)
+        context_len = prompt_len
+        if request.continues and state is not None:
+            context_len += state.context_len
+        loads = {r.name: load_score(r) for r in healthy}
+        candidates = _fitting(healthy, context_len + request.sampling.max_tokens)
+        min_load = min(loads[r.name] for r in candidates)
+        holder = state.replica if state is not None else None
+        migrated = False
+        if holder is not None and any(r.name == holder for r in candidates) and (
+                request.continues or not is_imbalanced(
+                    loads[holder], min_load, cfg.migrate_abs_tokens, cfg.migrate_rel)):
+            choice = holder
+            self.stats.sticky += 1
+        elif state is not None:  # it had a replica: down, too small, or overloaded
+            others = [r for r in candidates if r.name != holder]
+            choice = self._place(request, others or candidates, loads)
+            migrated = True
+            if any(r.name == holder for r in candidates):
+                self.stats.migrations += 1
+            else:
+                self.stats.failovers += 1
+        else:
+            choice = self._place(request, candidates, loads)
+        if not request.continues:
+            self.tree.insert(request.prompt_ids, choice, now)
+        priority = None
+        if tid is not None:
+            self._placements.put(tid, _Placement(choice, context_len), now)
+            if cfg.progress_priority:
+                priority = self.progress.remaining_for(tid, request.group_id)
+            self.progress.begin(tid, request.group_id, now)
+        elif cfg.progress_priority and request.group_id is not None:
+            priority = self.progress.expected_remaining(request.group_id, 0, 0)
+        return Decision(choice, priority=priority, migrated=migrated)
+
+    def _place(self, request: GenRequest, candidates: list[ReplicaView],
+               loads: dict[str, float]) -> str:
+        """Rule 3: with the group's cached prompt within tolerance, else least loaded."""
+        cfg = self.config
+        min_load = min(loads[r.name] for r in candidates)
+        matched = {} if request.continues else self.tree.match(request.prompt_ids)
+        need = max(1.0, cfg.group_match_threshold * len(request.prompt_ids))
+        hits = [r for r in candidates if matched.get(r.name, 0) >= need
+                and not is_imbalanced(loads[r.name], min_load, cfg.group_abs_tokens,
+                                      cfg.group_rel)]
+        if hits:
+            self.stats.co_located += 1
+            return min(hits, key=lambda r: (-matched[r.name], loads[r.name], r.name)).name
+        self.stats.spread += 1
+        return min(candidates, key=lambda r: (loads[r.name], -matched.get(r.name, 0),
+                                              r.num_requests, r.name)).name
+
+    # ------------------------------------------------------------------ feedback
+
+    def on_complete(self, request: GenRequest, result: GenResult | None, replica: str,
+                    now: float) -> None:
+        tid = request.trajectory_id
+        if result is None:
+            if tid is not None:
+                self.progress.abort(tid, now)
+            return
+        if not request.continues:
+            self.tree.insert(request.prompt_ids + result.output_ids, replica, now)
+        if tid is None:
+            return
+        self.progress.observe(tid, request.group_id, len(result.output_ids), now)
+        state = self._placements.get(tid, now)
+        if state is not None:  # the replica that served the turn holds its context now
+            self._placements.put(tid, _Placement(
+                replica, state.context_len + len(result.output_ids)), now)
+
+    def on_replica_down(self, replica: str, now: float) -> None:
+        self.tree.remove_replica(replica)
+        for _, state in self._placements.items():
+            if state.replica == replica:
+                state.replica = None
+
+    def finish_trajectory(self, trajectory_id: str, now: float) -> None:
+        """The trajectory ended (optional; otherwise idleness tells): its totals join
+        its group's finished samples and its placement is forgotten."""
+        self.progress.finish(trajectory_id, now)
+        self._placements.pop(trajectory_id)
+
+    def num_trajectories(self) -> int:
+        """Trajectories whose placement is remembered."""
+        return len(self._placements)
+
+
+def _fitting(healthy: list[ReplicaView], need: int) -> list[ReplicaView]:
+    """Rule 1: replicas whose KV can hold ``need`` tokens, else the largest ones."""
+    fit = [r for r in healthy if r.kv_total_tokens is None or r.kv_total_tokens >= need]
+    if fit:
+        return fit
+    largest = max(r.kv_total_tokens or 0 for r in healthy)
+    return [r for r in healthy if r.kv_total_tokens == largest]
