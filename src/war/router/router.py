@@ -142,12 +142,13 @@ class Router:
         out = []
         for name, r in self.replicas.items():
             load = r.load
-            total = load.kv_blocks_total * load.block_size if load else None
+            known = load is not None and load.kv_blocks_total > 0  # 0: capacity not reported
             out.append(ReplicaView(
                 name=name, healthy=r.healthy, num_requests=r.num_requests,
                 tokens_in_flight=r.tokens_in_flight,
-                kv_free_tokens=load.kv_free_tokens if load else None,
-                kv_total_tokens=total if total else None,
+                kv_free_tokens=load.kv_free_tokens if load and known else None,
+                kv_total_tokens=load.kv_blocks_total * load.block_size if load and known
+                else None,
                 num_waiting=load.num_waiting if load else 0))
         return out
 

@@ -1,0 +1,409 @@
+"""A vLLM or SGLang server as a replica, over the API it already has.
+
+Knows: for ``server="vllm"``, the OpenAI-compatible ``POST /v1/completions`` with a
+token-id prompt, asking for token ids back (``return_token_ids``, vLLM >= 0.10;
+else ``logprobs.tokens`` as ``"token_id:123"`` through
+``return_tokens_as_token_ids``; both are sent and whichever comes back is parsed)
+and logprobs (``logprobs: 1``, always sent: the fallback needs it);
+``skip_special_tokens: false``, ``ignore_eos`` with the request's own stop token
+ids, ``top_k`` (``0`` -> ``-1``), ``seed``. For ``server="sglang"``, SGLang's native
+``POST /generate`` (``input_ids`` in, ``output_ids`` and
+``meta_info.output_token_logprobs`` out). The error mapping is the one of
+``war.backends.http``. Load comes from what this backend has in flight (requests,
+prompt tokens) and, best effort, from the server's Prometheus ``/metrics``
+(vLLM's ``vllm:num_requests_running``/``waiting``, ``kv_cache_usage_perc`` or
+``gpu_cache_usage_perc`` and ``cache_config_info``; SGLang's
+``sglang:num_running_reqs``/``num_queue_reqs``/``token_usage``/
+``max_total_num_tokens``). A result's ``total_s`` is the round trip seen here;
+the speculation and queue figures of WAR's own replicas are left at zero.
+
+Does not know trajectories: these servers hold none, so a ``continues`` request is
+refused at once with ``UnknownTrajectory`` (the router then sends the whole
+context; their prefix caches make that cheap). Shared draft history is not
+forwarded (``add_history`` does nothing: vLLM's suffix decoding keeps its own
+cache). WAR's priority is dropped unless ``priority_scheduling`` is set (then
+vLLM gets ``priority = -round(priority)``, lower first, and SGLang
+``priority = round(priority)``, higher first by default; the server must be started
+with priority scheduling). When the KV cache is unknown, ``load()`` reports
+``kv_blocks_used = kv_blocks_total = 0`` (and ``block_size = 0``): read a zero
+total as "unknown", not "full".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from war.backends.base import ReplicaUnavailable
+from war.backends.http import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_HEALTH_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_TIMEOUT_S,
+    HttpChannel,
+    check_base_url,
+    check_name,
+    finish_reason,
+    logprob,
+)
+from war.types import GenRequest, GenResult, ReplicaLoad, UnknownTrajectory
+
+SERVERS = ("vllm", "sglang")
+_TOKEN_ID = re.compile(r"^token_id:(\d+)$")
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+
+
+# ---------------------------------------------------------------- /metrics
+
+
+@dataclass(frozen=True)
+class ServerMetrics:
+    """What a server's ``/metrics`` says about its load (``None``: not reported)."""
+
+    num_running: int | None = None
+    num_waiting: int | None = None
+    kv_usage: float | None = None  # fraction of the KV cache in use, in [0, 1]
+    kv_blocks_total: int | None = None
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_usage is not None and not 0.0 <= self.kv_usage <= 1.0:
+            raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Samples of a Prometheus text exposition by metric name; lines that do not
+    parse are skipped (best effort)."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        labels = {k: v for k, v in _LABEL.findall(m.group(2) or "")}
+        out.setdefault(m.group(1), []).append((labels, value))
+    return out
+
+
+def _total(samples: Mapping[str, list[tuple[dict[str, str], float]]], *names: str
+           ) -> float | None:
+    """The sum over label sets of the first of ``names`` that is present and finite."""
+    for name in names:
+        values = [v for _, v in samples.get(name, ()) if math.isfinite(v)]
+        if values:
+            return sum(values)
+    return None
+
+
+def _mean(samples: Mapping[str, list[tuple[dict[str, str], float]]], *names: str
+          ) -> float | None:
+    for name in names:
+        values = [v for _, v in samples.get(name, ()) if math.isfinite(v)]
+        if values:
+            return sum(values) / len(values)
+    return None
+
+
+def _int_label(samples: Mapping[str, list[tuple[dict[str, str], float]]], name: str,
+               label: str) -> int | None:
+    for labels, _ in samples.get(name, ()):
+        try:
+            return int(labels[label])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
+def metrics_from_text(text: str) -> ServerMetrics:
+    """The load figures of a vLLM or SGLang ``/metrics`` page."""
+    s = parse_prometheus(text)
+    running = _total(s, "vllm:num_requests_running", "sglang:num_running_reqs")
+    waiting = _total(s, "vllm:num_requests_waiting", "sglang:num_queue_reqs")
+    usage = _mean(s, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+                  "sglang:token_usage")
+    blocks = _int_label(s, "vllm:cache_config_info", "num_gpu_blocks")
+    block_size = _int_label(s, "vllm:cache_config_info", "block_size")
+    if blocks is None:
+        tokens = _total(s, "sglang:max_total_num_tokens")
+        if tokens is not None and tokens >= 1:  # SGLang's pool counts tokens: blocks of 1
+            blocks, block_size = int(tokens), 1
+    return ServerMetrics(
+        num_running=None if running is None else round(running),
+        num_waiting=None if waiting is None else round(waiting),
+        kv_usage=None if usage is None else min(max(usage, 0.0), 1.0),
+        kv_blocks_total=blocks if blocks is not None and blocks >= 1 else None,
+        block_size=block_size if block_size is not None and block_size >= 1 else None,
+    )
+
+
+# ---------------------------------------------------------------- responses
+
+
+def _token_ids_from_strings(tokens: Sequence[Any]) -> tuple[int, ...]:
+    ids = []
+    for tok in tokens:
+        m = _TOKEN_ID.match(tok) if isinstance(tok, str) else None
+        if m is None:
+            raise ValueError(f"logprobs.tokens holds {tok!r}, not 'token_id:<id>' "
+                             "(the server ignored return_tokens_as_token_ids)")
+        ids.append(int(m.group(1)))
+    return tuple(ids)
+
+
+def parse_vllm_completion(request: GenRequest, data: Mapping[str, Any]) -> GenResult:
+    """A vLLM ``/v1/completions`` answer as a ``GenResult``: token ids from
+    ``choices[0].token_ids``, else from ``logprobs.tokens`` (``"token_id:<id>"``)."""
+    choice = data["choices"][0]
+    lp = choice.get("logprobs")
+    raw_ids = choice.get("token_ids")
+    if raw_ids is not None:
+        output = tuple(int(t) for t in raw_ids)
+    elif lp is not None and lp.get("tokens") is not None:
+        output = _token_ids_from_strings(lp["tokens"])
+    else:
+        raise ValueError("the answer has neither choices[0].token_ids nor logprobs.tokens "
+                         "(vLLM >= 0.10 with return_token_ids, or logprobs with "
+                         "return_tokens_as_token_ids, are needed)")
+    logprobs: tuple[float, ...] = ()
+    if request.sampling.logprobs:
+        if lp is None or lp.get("token_logprobs") is None:
+            raise ValueError("logprobs were asked for but not returned")
+        logprobs = tuple(logprob(x) for x in lp["token_logprobs"])
+        if len(logprobs) != len(output):
+            raise ValueError(f"{len(logprobs)} logprobs for {len(output)} tokens")
+    usage = data.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return GenResult(
+        request_id=request.request_id,
+        output_ids=output,
+        logprobs=logprobs,
+        finish_reason=finish_reason(choice.get("finish_reason")),
+        num_prompt_tokens=int(usage.get("prompt_tokens") or len(request.prompt_ids)),
+        num_cached_tokens=int(details.get("cached_tokens") or 0),
+    )
+
+
+def parse_sglang_generate(request: GenRequest, data: Any) -> GenResult:
+    """An SGLang ``/generate`` answer as a ``GenResult``: token ids from
+    ``output_ids``, else from ``meta_info.output_token_logprobs`` (``[logprob,
+    token_id, text]`` triples)."""
+    if isinstance(data, list):  # a batch answer; one prompt was sent
+        data = data[0]
+    meta = data.get("meta_info") or {}
+    triples = meta.get("output_token_logprobs")
+    raw_ids = data.get("output_ids")
+    if raw_ids is not None:
+        output = tuple(int(t) for t in raw_ids)
+    elif triples is not None:
+        output = tuple(int(t[1]) for t in triples)
+    else:
+        raise ValueError("the answer has neither output_ids nor "
+                         "meta_info.output_token_logprobs")
+    logprobs: tuple[float, ...] = ()
+    if request.sampling.logprobs:
+        if triples is None:
+            raise ValueError("logprobs were asked for but not returned")
+        logprobs = tuple(logprob(t[0]) for t in triples)
+        if len(logprobs) != len(output):
+            raise ValueError(f"{len(logprobs)} logprobs for {len(output)} tokens")
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, Mapping) else reason
+    return GenResult(
+        request_id=request.request_id,
+        output_ids=output,
+        logprobs=logprobs,
+        finish_reason=finish_reason(kind),
+        num_prompt_tokens=int(meta.get("prompt_tokens") or len(request.prompt_ids)),
+        num_cached_tokens=int(meta.get("cached_tokens") or 0),
+    )
+
+
+# ---------------------------------------------------------------- the backend
+
+
+class OpenAICompatBackend:
+    """One vLLM (``server="vllm"``) or SGLang (``server="sglang"``) server.
+
+    ``model`` is the served model name sent to vLLM (``None``: the server's
+    default; SGLang's ``/generate`` takes none). ``use_metrics``: read ``/metrics``
+    in ``load()`` (a server without it is remembered and not asked again).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        model: str | None,
+        api_key: str | None = None,
+        server: str = "vllm",
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        client: httpx.AsyncClient | None = None,
+        use_metrics: bool = True,
+        priority_scheduling: bool = False,
+    ) -> None:
+        if server not in SERVERS:
+            raise ValueError(f"server must be one of {SERVERS}, got {server!r}")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(f"model must be a non-empty string or None, got {model!r}")
+        self.name = check_name(name)
+        self.base_url = check_base_url(base_url)
+        self.model = model
+        self.server = server
+        self.use_metrics = use_metrics
+        self.priority_scheduling = priority_scheduling
+        self._http = HttpChannel(self.base_url, api_key, timeout_s, connect_timeout_s,
+                                 health_timeout_s, max_connections, client)
+        self._inflight: dict[int, int] = {}  # call key -> prompt tokens
+        self._next_key = 0
+        self._metrics_missing = False
+
+    def __repr__(self) -> str:
+        return f"OpenAICompatBackend({self.name!r}, {self.base_url!r}, server={self.server!r})"
+
+    # ---- requests
+
+    def vllm_body(self, request: GenRequest) -> dict[str, Any]:
+        """The vLLM ``/v1/completions`` body of ``request``."""
+        sp = request.sampling
+        body: dict[str, Any] = {
+            "prompt": list(request.prompt_ids),
+            "max_tokens": sp.max_tokens,
+            "temperature": float(sp.temperature),
+            "top_p": float(sp.top_p),
+            "top_k": sp.top_k if sp.top_k > 0 else -1,
+            "stop_token_ids": list(sp.stop_token_ids),
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        if sp.stop:
+            body["stop"] = list(sp.stop)
+        if sp.seed is not None:
+            body["seed"] = sp.seed
+        if self.priority_scheduling:
+            body["priority"] = -round(request.priority)
+        return body
+
+    def sglang_body(self, request: GenRequest) -> dict[str, Any]:
+        """The SGLang ``/generate`` body of ``request``."""
+        sp = request.sampling
+        params: dict[str, Any] = {
+            "max_new_tokens": sp.max_tokens,
+            "temperature": float(sp.temperature),
+            "top_p": float(sp.top_p),
+            "top_k": sp.top_k if sp.top_k > 0 else -1,
+            "stop_token_ids": list(sp.stop_token_ids),
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+        }
+        if sp.stop:
+            params["stop"] = list(sp.stop)
+        if sp.seed is not None:
+            params["sampling_seed"] = sp.seed
+        body: dict[str, Any] = {
+            "input_ids": list(request.prompt_ids),
+            "sampling_params": params,
+            "return_logprob": True,
+            "rid": request.request_id,
+        }
+        if self.priority_scheduling:
+            body["priority"] = round(request.priority)
+        return body
+
+    async def generate(self, request: GenRequest) -> GenResult:
+        if request.continues:
+            raise UnknownTrajectory(
+                f"request {request.request_id}: {self.name} ({self.server}) holds no "
+                "trajectories; send the whole context")
+        key = self._next_key
+        self._next_key += 1
+        self._inflight[key] = len(request.prompt_ids)
+        t0 = time.perf_counter()
+        try:
+            if self.server == "vllm":
+                data = await self._http.post_json("/v1/completions", self.vllm_body(request),
+                                                  self.name)
+                parse = parse_vllm_completion
+            else:
+                data = await self._http.post_json("/generate", self.sglang_body(request),
+                                                  self.name)
+                parse = parse_sglang_generate
+        finally:
+            del self._inflight[key]
+        try:
+            result = parse(request, data)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise ReplicaUnavailable(
+                f"{self.name}: malformed {self.server} response: {type(e).__name__}: {e}"
+            ) from e
+        return dataclasses.replace(result, total_s=time.perf_counter() - t0)
+
+    # ---- load, health, history
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._inflight)
+
+    async def server_metrics(self) -> ServerMetrics | None:
+        """The server's ``/metrics`` figures; None when it has no such page (a 404 is
+        remembered). Raises ``ReplicaUnavailable`` when the server is unreachable."""
+        if self._metrics_missing:
+            return None
+        response = await self._http.get_unchecked("/metrics", self.name)
+        if response.status_code in (404, 405):
+            self._metrics_missing = True
+            return None
+        if response.status_code != 200:
+            if response.status_code >= 500:
+                raise ReplicaUnavailable(
+                    f"{self.name}: /metrics failed ({response.status_code})")
+            return None
+        return metrics_from_text(response.text)
+
+    async def load(self) -> ReplicaLoad:
+        running = len(self._inflight)
+        tokens = sum(self._inflight.values())
+        waiting = 0
+        used = total = block_size = 0
+        if self.use_metrics:
+            m = await self.server_metrics()
+            if m is not None:
+                running = m.num_running if m.num_running is not None else running
+                waiting = m.num_waiting if m.num_waiting is not None else 0
+                if m.kv_usage is not None and m.kv_blocks_total is not None \
+                        and m.block_size is not None:
+                    total, block_size = m.kv_blocks_total, m.block_size
+                    used = min(total, round(m.kv_usage * total))
+        return ReplicaLoad(num_running=running, num_waiting=waiting, tokens_in_flight=tokens,
+                           kv_blocks_used=used, kv_blocks_total=total, block_size=block_size)
+
+    async def health(self) -> bool:
+        return await self._http.health("/health")
+
+    async def add_history(self, items: Sequence[tuple[Sequence[int], str | None]]) -> None:
+        """Nothing: these servers keep no shared draft history of WAR's."""
+
+    async def close(self) -> None:
+        await self._http.close()
