@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from war.cli import rollout, serve, spec
+from war.cli import rollout, route, serve, spec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_rollout_command(commands)
     spec.add_spec_command(commands)
     serve.add_serve_command(commands)
+    route.add_route_command(commands)
     return parser
 
 

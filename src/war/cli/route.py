@@ -1,0 +1,135 @@
+"""`war route`: one router in front of several replicas, over HTTP.
+
+Knows the options of the command, how they become backends (``make_backend`` on each
+``--replica`` spec), a routing policy (``make_policy``), a ``Router`` and its app, and
+how to serve the app with uvicorn, the router's health checks running for the app's
+lifetime (started and stopped by its lifespan). Binds 127.0.0.1 unless told otherwise;
+the API key comes from ``--api-key`` or ``WAR_API_KEY``. A spec or option it cannot use
+is reported on one line with exit status 2.
+
+Does not know how requests are placed (``war.router``), how replicas are reached
+(``war.backends``) nor the HTTP API (``war.router.server``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import TYPE_CHECKING, TypeAlias
+
+from war.cli.serve import _is_loopback
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from war.router.router import Router
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+POLICIES = ("war", "cache_aware", "least_load", "round_robin")
+BAD_USAGE_STATUS = 2
+
+
+def add_route_command(commands: Subparsers) -> None:
+    p = commands.add_parser(
+        "route",
+        help="route requests over several replicas (one OpenAI-compatible endpoint)",
+        description="Serves POST /v1/completions (token-id prompts), /health, /v1/load and "
+        "/metrics in front of replicas given as specs: war+http://HOST:PORT (war serve), "
+        "vllm+http://HOST:PORT, sglang+http://HOST:PORT.",
+    )
+    p.add_argument("--replica", action="append", required=True, metavar="SPEC",
+                   help="a replica (repeat for each): war+http://HOST:PORT, "
+                        "vllm+http://HOST:PORT or sglang+http://HOST:PORT")
+    p.add_argument("--policy", choices=POLICIES, default="war",
+                   help="routing policy (default: war)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to bind (default: 8080)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: $WAR_API_KEY, if set)")
+    p.add_argument("--eos-token-id", type=int, action="append", default=[], metavar="ID",
+                   help="stop token added to requests without ignore_eos (repeat for several; "
+                        "the router has no tokenizer to read it from)")
+    p.add_argument("--health-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between health checks of the replicas (default: 1)")
+    p.add_argument("--max-attempts", type=int, default=4, metavar="N",
+                   help="replicas tried for one request before it fails (default: 4)")
+    p.add_argument("--served-model-name", default="war", metavar="NAME",
+                   help="the model name reported when a request names none (default: war)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
+    p.set_defaults(run=run_route)
+
+
+def _fail(message: str) -> int:
+    print(f"war route: error: {message}", file=sys.stderr)
+    return BAD_USAGE_STATUS
+
+
+def build_router(specs: list[str], policy: str, health_interval_s: float = 1.0,
+                 max_attempts: int = 4) -> Router:
+    """A router over ``make_backend(spec)`` for each spec. Raises ``ValueError`` for a
+    spec or setting it cannot use."""
+    from war.backends import make_backend
+    from war.router.policies import make_policy
+    from war.router.router import Router, RouterConfig
+
+    if not specs:
+        raise ValueError("at least one --replica is needed")
+    config = RouterConfig(max_attempts=max_attempts, health_interval_s=health_interval_s)
+    backends = []
+    for spec in specs:
+        try:
+            backends.append(make_backend(spec))
+        except ValueError as e:
+            raise ValueError(f"--replica {spec!r}: {e}") from None
+    names = [b.name for b in backends]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ValueError(f"two replicas are named {dup!r} (give each replica once)")
+    try:
+        chosen = make_policy(policy)
+    except KeyError as e:
+        raise ValueError(str(e.args[0] if e.args else e)) from None
+    return Router(backends, chosen, config)
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    """The app for parsed ``war route`` arguments (raises ``ValueError``)."""
+    from war.router.server import create_router_app
+
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65536), got {args.port}")
+    if not args.health_interval > 0:
+        raise ValueError(f"--health-interval must be > 0, got {args.health_interval}")
+    if args.max_attempts < 1:
+        raise ValueError(f"--max-attempts must be >= 1, got {args.max_attempts}")
+    bad = next((t for t in args.eos_token_id if t < 0), None)
+    if bad is not None:
+        raise ValueError(f"--eos-token-id must be >= 0, got {bad}")
+    router = build_router(args.replica, args.policy, args.health_interval, args.max_attempts)
+    api_key: str | None = args.api_key or os.environ.get("WAR_API_KEY") or None
+    return create_router_app(router, api_key=api_key, eos_token_ids=args.eos_token_id,
+                             model_name=args.served_model_name, manage_router=True)
+
+
+def run_route(args: argparse.Namespace) -> int:
+    try:
+        app = build_app(args)
+    except ValueError as e:
+        return _fail(str(e))
+    if not (args.api_key or os.environ.get("WAR_API_KEY")) and not _is_loopback(args.host):
+        print(f"war route: warning: serving on {args.host} without an API key "
+              "(set --api-key or WAR_API_KEY)", file=sys.stderr)
+    asyncio.run(_serve(app, args.host, args.port, args.log_level))
+    return 0
+
+
+async def _serve(app: FastAPI, host: str, port: int, log_level: str) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+    await uvicorn.Server(config).serve()

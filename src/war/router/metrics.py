@@ -1,0 +1,119 @@
+"""Prometheus metrics of the router.
+
+Knows: which of the router's counters and per-replica figures are exported, under which
+names and types, and how to render them in the Prometheus text format. Each
+``RouterMetrics`` has its own ``CollectorRegistry`` (never the global one), so many
+router apps can live in one process. Router figures (``Router.stats``, the replicas'
+in-flight accounting and health) are read at scrape time; HTTP figures are counted by
+the server as requests end.
+
+Does not know how the figures are produced (``war.router.router``) nor HTTP routing
+(``war.router.server`` calls ``observe_request``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Protocol
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from war.router.router import RouterStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# (name without _total, RouterStats field, help)
+_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("war_router_requests", "requests", "Requests received by the router."),
+    ("war_router_completed", "completed", "Requests answered by some replica."),
+    ("war_router_failed", "failed",
+     "Requests that failed (no replica left, retries exhausted, context lost)."),
+    ("war_router_retries", "retries", "Requests sent again after their replica failed."),
+    ("war_router_migrations", "migrations",
+     "Trajectory turns placed on another replica than the one holding the trajectory."),
+    ("war_router_resent_contexts", "resent_contexts",
+     "Continuing turns re-sent with the trajectory's whole context."),
+    ("war_router_history_forwarded", "history_forwarded",
+     "Completed responses forwarded to other replicas' speculators."),
+    ("war_router_replicas_marked_down", "replicas_marked_down",
+     "Times a replica was marked down."),
+)
+
+# (name, key of the replica's row in ``Router.fleet_load()``, help, kind)
+_PER_REPLICA: tuple[tuple[str, str, str, str], ...] = (
+    ("war_router_replica_requests_in_flight", "num_requests",
+     "Requests sent to the replica and not yet completed.", "gauge"),
+    ("war_router_replica_tokens_in_flight", "tokens_in_flight",
+     "Prompt + max new tokens of the requests in flight on the replica.", "gauge"),
+    ("war_router_replica_healthy", "healthy", "1 while the replica is up, 0 while down.",
+     "gauge"),
+    ("war_router_replica_served", "served", "Requests the replica answered.", "counter"),
+    ("war_router_replica_failures", "failures", "Failures seen on the replica.", "counter"),
+)
+
+
+class RouterSource(Protocol):
+    """Where the router's figures come from (``Router`` is one)."""
+
+    @property
+    def stats(self) -> RouterStats: ...
+
+    def fleet_load(self) -> Mapping[str, Mapping[str, object]]: ...
+
+
+def _number(value: object) -> float:
+    if isinstance(value, bool):
+        return 1.0 if value else 0.0
+    if isinstance(value, int | float):
+        return float(value)
+    return 0.0
+
+
+class _RouterCollector(Collector):
+    def __init__(self, source: RouterSource) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._source.stats
+        for name, field, doc in _COUNTERS:
+            yield CounterMetricFamily(name, doc, value=float(getattr(st, field)))
+        fleet = self._source.fleet_load()
+        for name, key, doc, kind in _PER_REPLICA:
+            family: CounterMetricFamily | GaugeMetricFamily
+            if kind == "counter":
+                family = CounterMetricFamily(name, doc, labels=["replica"])
+            else:
+                family = GaugeMetricFamily(name, doc, labels=["replica"])
+            for replica, row in fleet.items():
+                family.add_metric([replica], _number(row.get(key)))
+            yield family
+        healthy = sum(1 for row in fleet.values() if row.get("healthy"))
+        yield GaugeMetricFamily("war_router_replicas_healthy", "Replicas up.", value=healthy)
+        yield GaugeMetricFamily("war_router_replicas", "Replicas known to the router.",
+                                value=len(fleet))
+
+
+class RouterMetrics:
+    """The router's metrics in their own registry: router figures read at scrape time,
+    HTTP requests counted by status and timed as they end."""
+
+    def __init__(self, source: RouterSource) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_RouterCollector(source))
+        self._http = Counter("war_router_http_requests", "Completion requests by status.",
+                             ["status"], registry=self.registry)
+        self._latency = Histogram(
+            "war_router_request_seconds", "Seconds from a completion request to its answer.",
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0, 30.0, 60.0, 120.0, 300.0))
+
+    def observe_request(self, status: int, seconds: float) -> None:
+        self._http.labels(status=str(status)).inc()
+        self._latency.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,391 @@
+"""The HTTP edge of the router: the replica's completions API in front of a fleet.
+
+Knows: the body of ``POST /v1/completions`` (the replica's ``CompletionRequest``,
+reused), how a body and the routing headers (``X-Request-Id``, ``X-Trajectory-Id``,
+``X-Group-Id``, ``X-Priority``; body fields win) become ``GenRequest``s for
+``Router.generate``, the response (the replica's shape, plus the name of the replica
+that served each choice), how failures map to statuses (a replica's refusal: 400; an
+unknown trajectory: 409 ``unknown_trajectory``; no replica up: 503; the app keeps
+serving), the side endpoints (``/health``, ``/v1/load``, ``/v1/models``, ``/metrics``)
+and bearer-token auth (the replica's middleware).
+
+The router has no tokenizer and no model: prompts must be token ids, ``text`` is always
+``""`` and logprob tokens are ``token_id:<id>``; the end-of-sequence ids it adds to the
+stop ids (unless ``ignore_eos``) are the ones it was given (``eos_token_ids``), since it
+cannot read them from a model; ``max_tokens`` must be set (it does not know the context
+length). Any ``model`` name is accepted and echoed. Vocabulary bounds and the context
+length are checked by the replica (a 400 passed on).
+
+Does not know how requests are placed (``war.router.router`` and its policy) nor how
+replicas are reached (``war.backends``). To tell which replica served a request it
+wraps the router's policy in a thin recorder (``router.policy`` stays usable: other
+attributes are passed through).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from war.engine.server import (
+    APIError,
+    ClientDisconnected,
+    CompletionRequest,
+    _BearerAuth,
+    _error_response,
+    _finite_logprob,
+    _unless_disconnected,
+    _validation_message,
+)
+from war.router.metrics import CONTENT_TYPE, RouterMetrics
+from war.router.policies.base import Decision, ReplicaView, RoutingPolicy
+from war.router.router import NoReplicaAvailable, Router
+from war.types import GenRequest, GenResult, SamplingParams, UnknownTrajectory
+
+TEXT_PROMPT = ("the router needs token ids (it has no tokenizer): send the prompt as a list "
+               "of ints or a list of such lists")
+
+
+class PlacementRecorder:
+    """A routing policy that passes everything to ``inner`` and remembers, for the
+    request ids it is asked to watch, which replica completed them."""
+
+    def __init__(self, inner: RoutingPolicy) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self._watchers: dict[str, int] = {}
+        self._where: dict[str, str] = {}
+
+    def __getattr__(self, attr: str) -> Any:  # the inner policy's other attributes
+        if attr == "inner":  # not set yet (copies): no recursion
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    def select(self, request: GenRequest, replicas: list[ReplicaView], now: float) -> Decision:
+        return self.inner.select(request, replicas, now)
+
+    def on_complete(self, request: GenRequest, result: GenResult | None, replica: str,
+                    now: float) -> None:
+        if result is not None and request.request_id in self._watchers:
+            self._where[request.request_id] = replica
+        self.inner.on_complete(request, result, replica, now)
+
+    def on_replica_down(self, replica: str, now: float) -> None:
+        self.inner.on_replica_down(replica, now)
+
+    def watch(self, request_id: str) -> None:
+        self._watchers[request_id] = self._watchers.get(request_id, 0) + 1
+
+    def unwatch(self, request_id: str) -> str | None:
+        """Stops watching ``request_id``; the replica that completed it (if known)."""
+        where = self._where.get(request_id)
+        left = self._watchers.get(request_id, 0) - 1
+        if left > 0:
+            self._watchers[request_id] = left
+        else:
+            self._watchers.pop(request_id, None)
+            self._where.pop(request_id, None)
+        return where
+
+
+def _recorder(router: Router) -> PlacementRecorder:
+    policy = router.policy
+    if isinstance(policy, PlacementRecorder):
+        return policy
+    recorder = PlacementRecorder(policy)
+    router.policy = recorder
+    return recorder
+
+
+def _is_token(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _prompts(prompt: Any) -> list[list[int]]:
+    """Token-id prompts: a list of ints, or a list of such lists."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                   and all(isinstance(p, str) for p in prompt)):
+        raise APIError(400, TEXT_PROMPT, param="prompt")
+    if not isinstance(prompt, list):
+        raise APIError(400, f"{TEXT_PROMPT}; got {type(prompt).__name__}", param="prompt")
+    if not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    if all(_is_token(t) for t in prompt):
+        prompts = [list(prompt)]
+    elif all(isinstance(p, list) for p in prompt):
+        for i, p in enumerate(prompt):
+            bad = next((t for t in p if not _is_token(t)), None)
+            if bad is not None:
+                raise APIError(400, f"prompt[{i}]: token ids must be ints, got {bad!r}",
+                               param="prompt")
+        prompts = [list(p) for p in prompt]
+    else:
+        bad = next(t for t in prompt if not _is_token(t))
+        raise APIError(400, f"{TEXT_PROMPT}; got the element {bad!r}", param="prompt")
+    for i, ids in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not ids:
+            raise APIError(400, f"{where} is empty", param="prompt")
+        bad_id = next((t for t in ids if t < 0), None)
+        if bad_id is not None:
+            raise APIError(400, f"{where}: token id {bad_id} is negative", param="prompt")
+    return prompts
+
+
+def build_requests(body: CompletionRequest, headers: Headers,
+                   eos_token_ids: Sequence[int] = ()) -> tuple[str, list[GenRequest]]:
+    """The response id and one ``GenRequest`` per prompt (``<id>-<i>`` when several).
+    Raises ``APIError`` for a body the router refuses."""
+    if body.n != 1:
+        raise APIError(400, f"n must be 1 (send the prompt again for more samples), "
+                       f"got {body.n}", param="n")
+    if body.stream:
+        raise APIError(400, "stream=true is not supported", param="stream")
+    if body.echo:
+        raise APIError(400, "echo=true is not supported", param="echo")
+    if body.max_tokens is None:
+        raise APIError(400, "max_tokens is required (the router does not know the replicas' "
+                       "context length)", param="max_tokens")
+    if body.max_tokens < 1:
+        raise APIError(400, f"max_tokens must be >= 1, got {body.max_tokens}",
+                       param="max_tokens")
+    top_k = -1 if body.top_k is None else body.top_k
+    if top_k < -1:
+        raise APIError(400, f"top_k must be -1 or 0 (off) or >= 1, got {top_k}", param="top_k")
+    if body.logprobs is not None and not isinstance(body.logprobs, bool) and body.logprobs < 0:
+        raise APIError(400, f"logprobs must be >= 0, got {body.logprobs}", param="logprobs")
+    want_logprobs = body.logprobs is not None and body.logprobs is not False
+    stop_ids = list(body.stop_token_ids or [])
+    bad = next((t for t in stop_ids if t < 0), None)
+    if bad is not None:
+        raise APIError(400, f"stop token id {bad} is negative", param="stop_token_ids")
+    if not body.ignore_eos:
+        stop_ids += [t for t in eos_token_ids if t not in stop_ids]
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(not s for s in stop):
+        raise APIError(400, "stop strings must be non-empty", param="stop")
+
+    rid = body.request_id or headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+    trajectory_id = body.trajectory_id or headers.get("x-trajectory-id")
+    group_id = body.group_id or headers.get("x-group-id")
+    priority = body.priority
+    if priority is None and "x-priority" in headers:
+        try:
+            priority = float(headers["x-priority"])
+        except ValueError:
+            raise APIError(400, f"X-Priority must be a number, got {headers['x-priority']!r}",
+                           param="priority") from None
+    priority = 0.0 if priority is None else priority
+    if not math.isfinite(priority):
+        raise APIError(400, f"priority must be finite, got {priority}", param="priority")
+
+    prompts = _prompts(body.prompt)
+    requests = []
+    for i, ids in enumerate(prompts):
+        try:
+            sampling = SamplingParams(
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=max(top_k, 0),
+                max_tokens=body.max_tokens,
+                stop_token_ids=tuple(stop_ids),
+                stop=tuple(stop),
+                seed=body.seed,
+                logprobs=want_logprobs,
+            )
+            requests.append(GenRequest(
+                request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
+                prompt_ids=tuple(ids), sampling=sampling, trajectory_id=trajectory_id,
+                group_id=group_id, priority=priority, continues=body.continues,
+            ))
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+    return rid, requests
+
+
+def build_response(rid: str, model: str, results: Sequence[GenResult],
+                   replicas: Sequence[str | None], want_logprobs: bool) -> dict[str, Any]:
+    """The replica's response shape (no text: the router has no tokenizer), with the
+    replica that served each choice."""
+    choices = []
+    for i, (r, where) in enumerate(zip(results, replicas, strict=True)):
+        logprobs = None
+        if want_logprobs:
+            logprobs = {"tokens": [f"token_id:{t}" for t in r.output_ids],
+                        "token_logprobs": [_finite_logprob(x) for x in r.logprobs]}
+        choices.append({"index": i, "text": "", "token_ids": list(r.output_ids),
+                        "logprobs": logprobs, "finish_reason": r.finish_reason,
+                        "replica": where})
+    prompt_tokens = sum(r.num_prompt_tokens for r in results)
+    completion_tokens = sum(len(r.output_ids) for r in results)
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in results)},
+        },
+        "war": {
+            "forward_passes": sum(r.num_forward_passes for r in results),
+            "draft_tokens": sum(r.num_draft_tokens for r in results),
+            "accepted_tokens": sum(r.num_accepted_tokens for r in results),
+            "preemptions": sum(r.num_preemptions for r in results),
+            "weight_version": min(r.weight_version for r in results),
+            "queue_s": max(r.queue_s for r in results),
+            "total_s": max(r.total_s for r in results),
+            "replica": replicas[0],
+            "replicas": list(replicas),
+        },
+    }
+
+
+async def _generate_all(router: Router, recorder: PlacementRecorder,
+                        requests: Sequence[GenRequest]) -> tuple[list[GenResult],
+                                                                 list[str | None]]:
+    """Routes every request; if one fails, the others are cancelled."""
+
+    async def one(request: GenRequest) -> tuple[GenResult, str | None]:
+        recorder.watch(request.request_id)
+        where: str | None = None
+        try:
+            result = await router.generate(request)
+        finally:
+            where = recorder.unwatch(request.request_id)
+        return result, where
+
+    tasks = [asyncio.ensure_future(one(r)) for r in requests]
+    try:
+        done = await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks)
+        raise
+    return [r for r, _ in done], [w for _, w in done]
+
+
+def create_router_app(router: Router, api_key: str | None = None,
+                      eos_token_ids: Sequence[int] = (), *, model_name: str = "war",
+                      manage_router: bool = False) -> FastAPI:
+    """A FastAPI app serving ``router``. With ``api_key``, every endpoint but ``/health``
+    needs ``Authorization: Bearer <api_key>``. ``eos_token_ids`` are added to each
+    request's stop ids unless it sets ``ignore_eos``. With ``manage_router``, the app's
+    lifespan starts the router's health checks and closes the router (and its backends)
+    at shutdown; otherwise both stay with the caller. ``model_name`` is reported when a
+    request names no model."""
+    eos = tuple(int(t) for t in eos_token_ids)
+    bad_eos = next((t for t in eos if t < 0), None)
+    if bad_eos is not None:
+        raise ValueError(f"eos token ids must be >= 0, got {bad_eos}")
+    recorder = _recorder(router)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage_router:
+            await router.start()
+        try:
+            yield
+        finally:
+            if manage_router:
+                await router.close()
+
+    app = FastAPI(title="WAR router", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    metrics = RouterMetrics(router)
+    app.state.router = router
+    app.state.metrics = metrics
+    if api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(APIError(400, _validation_message(exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
+            exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return _error_response(APIError(exc.status_code, str(exc.detail), kind))
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> JSONResponse:
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            try:
+                rid, reqs = build_requests(body, request.headers, eos)
+                results, where = await _unless_disconnected(
+                    request, _generate_all(router, recorder, reqs))
+            except UnknownTrajectory as e:  # the client resends the whole context
+                raise APIError(409, str(e), code="unknown_trajectory") from None
+            except ValueError as e:  # refused by a replica
+                raise APIError(400, str(e)) from None
+            except NoReplicaAvailable as e:
+                raise APIError(503, str(e), "server_error", "no_replica_available") from None
+            except ClientDisconnected:
+                status = 499
+                return _error_response(APIError(499, "client closed the request"))
+            except APIError:
+                raise
+            except Exception as e:  # the router's own failure: report it, keep serving
+                raise APIError(500, f"router error: {e!r}", "server_error",
+                               "router_error") from None
+            want = body.logprobs is not None and body.logprobs is not False
+            status = 200
+            return JSONResponse(build_response(rid, body.model or model_name, results, where,
+                                               want))
+        except APIError as e:
+            status = e.status
+            raise
+        finally:
+            metrics.observe_request(status, time.perf_counter() - t0)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        replicas = {v.name: {"healthy": v.healthy, "num_requests": v.num_requests}
+                    for v in router.views()}
+        up = sum(1 for v in router.views() if v.healthy)
+        return JSONResponse({"status": "ok" if up else "unavailable", "healthy_replicas": up,
+                             "replicas": replicas}, status_code=200 if up else 503)
+
+    @app.get("/v1/load")
+    async def load() -> dict[str, Any]:
+        views = router.views()
+        return {
+            "policy": recorder.name,
+            "healthy_replicas": sum(1 for v in views if v.healthy),
+            "num_requests": sum(v.num_requests for v in views),
+            "tokens_in_flight": sum(v.tokens_in_flight for v in views),
+            "replicas": router.fleet_load(),
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "war-router"}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

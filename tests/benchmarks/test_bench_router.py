@@ -1,0 +1,123 @@
+"""The router benchmark's helpers and command line on tiny runs: the load generator, the
+instant replica app, the throughput measurement (one replica, one ``war route``), the
+policies measurement (unpaced engines) and the report's keys."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from fastapi.testclient import TestClient
+
+from war.router.bench import (
+    PolicyBenchConfig,
+    RpsBenchConfig,
+    build_load,
+    build_sessions,
+    instant_replica_app,
+    percentile,
+    run_policies,
+    run_router_rps,
+    summary_line,
+    targets,
+)
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "router" / "bench_router.py"
+RPS_KEYS = {"router", "policy", "rps", "affinity", "p50_ms", "p99_ms", "added_p50_ms",
+            "added_p99_ms", "errors", "api"}
+POLICY_KEYS = {"policy", "prefix_hit_rate", "makespan_s", "migrations"}
+UNPACED = {"step_ms": 0.0, "prefill_us": 0.0, "decode_us": 0.0}
+
+
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_router", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_load_affinity_and_percentiles() -> None:
+    fresh = build_load(50, 0.0, seed=1)
+    assert len({i.session for i in fresh}) == 50
+    same = build_load(50, 1.0, seed=1, prompt_tokens=4, turn_tokens=2, max_context=1000)
+    assert {i.session for i in same} == {"s0"}
+    assert all(b.prompt[:len(a.prompt)] == a.prompt for a, b in itertools.pairwise(same))
+    assert build_load(30, 0.5, seed=3) == build_load(30, 0.5, seed=3)
+    with pytest.raises(ValueError):
+        build_load(1, 1.5, seed=0)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+
+
+def test_instant_replica_speaks_war_and_sglang() -> None:
+    client = TestClient(instant_replica_app("r", max_output_tokens=3))
+    r = client.post("/v1/completions", json={"prompt": [4, 5, 6, 7], "max_tokens": 8,
+                                             "logprobs": 1, "request_id": "x"})
+    assert r.status_code == 200
+    data = r.json()
+    assert data["id"] == "x" and data["choices"][0]["token_ids"] == [4, 5, 6]
+    assert data["usage"]["prompt_tokens"] == 4
+    r = client.post("/generate", json={"input_ids": [9, 8], "sampling_params":
+                                       {"max_new_tokens": 1}})
+    assert r.status_code == 200 and r.json()["output_ids"] == [9]
+    assert client.get("/health").status_code == 200
+    for path in ("/server_info", "/get_model_info", "/v1/models"):
+        assert client.get(path).status_code == 200
+    assert client.get("/v1/load").json()["kv_free_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_router_rps_rows() -> None:
+    config = RpsBenchConfig(num_replicas=1, policies=("round_robin",), affinities=(0.5,),
+                            num_requests=20, warmup=2, concurrency=2, repeats=1, sglang=False)
+    out = run_router_rps(config)
+    assert out["sglang_router"]["available"] is False
+    rows = out["router_rps"]
+    assert [(r["router"], r["policy"]) for r in rows] == [("direct", None),
+                                                         ("war", "round_robin")]
+    for r in rows:
+        assert set(r) >= RPS_KEYS and r["errors"] == 0 and r["rps"] > 0
+    assert rows[0]["added_p50_ms"] == 0.0
+
+
+def test_sessions_and_policy_rows() -> None:
+    config = PolicyBenchConfig(policies=("war", "round_robin"), group_turns=(1, 3),
+                               group_size=2, rl_steps=2, repeats=1, prompt_tokens=16,
+                               obs_tokens=4, max_tokens=2, **UNPACED)
+    steps = build_sessions(config, 512)
+    assert len(steps) == 2 and all(len(s) == 4 for s in steps)
+    assert {s.group_id for s in steps[0]} == {"g0", "g1"}
+    first = {s.group_id: s.prompt for s in steps[0]}
+    assert all(s.prompt == first[s.group_id] for s in steps[1])  # groups recur
+    out = run_policies(config)
+    rows = out["policies"]
+    assert [r["policy"] for r in rows] == ["war", "round_robin"]
+    for r in rows:
+        assert set(r) >= POLICY_KEYS
+        assert 0.0 <= r["prefix_hit_rate"] <= 1.0 and r["makespan_s"] > 0
+    run = out["policy_runs"][0]
+    assert run["requests"] == sum(s.turns for step in steps for s in step)
+    report = {"router_rps": [], **out}
+    assert targets(report) == {}  # no cache_aware row to compare with
+    assert summary_line(report).startswith("bench_router: policies hit/makespan: war ")
+
+
+def test_script_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.json"
+    bench = load_script()
+    assert bench.main(["--quick", "--no-rps", "--json", str(out), "--policies", "war",
+                       "cache_aware", "--group-turns", "1", "2", "--group-size", "1",
+                       "--rl-steps", "1", "--repeats", "1"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert line.startswith("bench_router: policies hit/makespan: war ")
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert {"machine", "policies", "policy_runs", "policies_config", "targets"} <= set(report)
+    assert {r["policy"] for r in report["policies"]} == {"war", "cache_aware"}
+    assert all(set(r) >= POLICY_KEYS for r in report["policies"])
+    assert set(report["targets"]) >= {"war_hit_rate_ge_cache_aware",
+                                      "war_makespan_lt_cache_aware"}
