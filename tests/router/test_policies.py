@@ -560,3 +560,25 @@ def test_every_policy_returns_a_given_healthy_replica(steps: list[tuple]) -> Non
     for p in policies:
         if isinstance(p, CacheAwarePolicy | WarPolicy):
             p.tree.check_integrity()
+
+
+def test_war_counts_trajectories_between_turns_as_committed_work() -> None:
+    p = war(group_abs_tokens=100, group_rel=1.1)
+    reqs = [req(f"g{i}", tuple(range(100)), tid=f"g/{i}", gid="g", max_tokens=50)
+            for i in range(4)]
+    # the group's four first turns go to a together (nothing is loaded yet)
+    assert [p.select(r, tok_fleet(a=0, b=0), 0.0).replica for r in reqs] == ["a"] * 4
+    for r in reqs:  # their turns end; the trajectories now run tools
+        p.on_complete(r, res(r.request_id, (1,) * 30), "a", 1.0)
+    assert p.committed_work() == {"a": pytest.approx(4 * (100 + 30 + 50))}
+    # nothing is in flight anywhere, yet a new group goes where no one is waiting
+    other = req("h0", tuple(range(500, 600)), tid="h/0", gid="h")
+    assert p.select(other, tok_fleet(a=0, b=0), 2.0).replica == "b"
+    # a turn in flight stops counting (tokens in flight count it); finishing forgets it
+    p.select(req("g0b", (9,), tid="g/0", gid="g", continues=True), tok_fleet(a=0, b=0), 3.0)
+    assert p.committed_work() == {"a": pytest.approx(3 * 180)}
+    p.finish_trajectory("g/1", 4.0)
+    assert p.committed_work() == {"a": pytest.approx(2 * 180)}
+    # idle past finish_idle_s: no longer committed
+    p.select(req("x", (1,)), tok_fleet(a=0, b=0), 4.0 + p.config.progress.finish_idle_s + 1)
+    assert p.committed_work() == {}

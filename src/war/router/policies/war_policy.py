@@ -40,6 +40,13 @@ Rules, per request, over the healthy replicas:
    until that replica runs ahead of the fleet, then spill to the next; the group
    tolerance is tighter than the stickiness one because a move loses only the
    shared prompt, not a whole trajectory's context.
+   Placement weighs each candidate by its load score plus its *committed work*: the
+   expected remaining tokens of the trajectories that it served and that are now
+   between turns, running a tool (``ProgressEstimator``; the size of the
+   trajectory's last request while nothing is known). Tokens in flight miss those
+   trajectories; committed work sees them, so long groups are not stacked on one
+   replica. A trajectory stops counting when its next turn is in flight (tokens in
+   flight count it then), when it finishes, or after ``finish_idle_s`` idle.
 4. Priority: ``Decision.priority`` is the trajectory's expected remaining generated
    tokens (``ProgressEstimator``: from its group's finished samples, this step's
    and earlier steps' with exponential decay, given the turns and tokens it has
@@ -55,6 +62,7 @@ bounded: trajectories unseen for ``trajectory_ttl_s`` are forgotten and at most
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from war.router.policies.base import Decision, ReplicaView
@@ -153,6 +161,10 @@ class WarPolicy:
         self.stats = WarPolicyStats()
         self._placements: RecentMap[str, _Placement] = RecentMap(
             self.config.max_trajectories, self.config.trajectory_ttl_s)
+        # committed work: trajectory -> (replica, expected remaining tokens, last seen)
+        self._committed: dict[str, tuple[str, float, float]] = {}
+        self._work: dict[str, float] = {}
+        self._seen: list[tuple[float, str]] = []  # (last seen, trajectory), lazy heap
 
     # ------------------------------------------------------------------ routing
 
@@ -167,6 +179,7 @@ class WarPolicy:
         if request.continues and state is not None:
             context_len += state.context_len
         loads = {r.name: load_score(r) for r in healthy}
+        self._expire_committed(now)
         candidates = _fitting(healthy, context_len + request.sampling.max_tokens)
         min_load = min(loads[r.name] for r in candidates)
         holder = state.replica if state is not None else None
@@ -194,6 +207,7 @@ class WarPolicy:
             if cfg.progress_priority:
                 priority = self.progress.remaining_for(tid, request.group_id)
             self.progress.begin(tid, request.group_id, now)
+            self._uncommit(tid)  # its turn is in flight: tokens_in_flight counts it now
         elif cfg.progress_priority and request.group_id is not None:
             priority = self.progress.expected_remaining(request.group_id, 0, 0)
         return Decision(choice, priority=priority, migrated=migrated)
@@ -202,6 +216,7 @@ class WarPolicy:
                loads: dict[str, float]) -> str:
         """Rule 3: with the group's cached prompt within tolerance, else least loaded."""
         cfg = self.config
+        loads = {r.name: loads[r.name] + self._work.get(r.name, 0.0) for r in candidates}
         min_load = min(loads[r.name] for r in candidates)
         matched = {} if request.continues else self.tree.match(request.prompt_ids)
         need = max(1.0, cfg.group_match_threshold * len(request.prompt_ids))
@@ -231,10 +246,45 @@ class WarPolicy:
         self.progress.observe(tid, request.group_id, len(result.output_ids), now)
         state = self._placements.get(tid, now)
         if state is not None:  # the replica that served the turn holds its context now
-            self._placements.put(tid, _Placement(
-                replica, state.context_len + len(result.output_ids)), now)
+            context = state.context_len + len(result.output_ids)
+            self._placements.put(tid, _Placement(replica, context), now)
+            remaining = self.progress.remaining_for(tid, request.group_id)
+            self._commit(tid, replica, float(remaining if remaining is not None
+                                             else context + request.sampling.max_tokens), now)
+
+    def _commit(self, tid: str, replica: str, work: float, now: float) -> None:
+        self._uncommit(tid)
+        self._committed[tid] = (replica, work, now)
+        self._work[replica] = self._work.get(replica, 0.0) + work
+        heapq.heappush(self._seen, (now, tid))
+        if len(self._seen) > 4 * len(self._committed) + 64:  # drop stale heap entries
+            self._seen = [(t, k) for k, (_, _, t) in self._committed.items()]
+            heapq.heapify(self._seen)
+
+    def _uncommit(self, tid: str) -> None:
+        old = self._committed.pop(tid, None)
+        if old is not None:
+            left = self._work[old[0]] - old[1]
+            if left <= 1e-9:
+                del self._work[old[0]]
+            else:
+                self._work[old[0]] = left
+
+    def _expire_committed(self, now: float) -> None:
+        horizon = now - self.config.progress.finish_idle_s
+        while self._seen and self._seen[0][0] < horizon:
+            seen, tid = heapq.heappop(self._seen)
+            entry = self._committed.get(tid)
+            if entry is not None and entry[2] == seen:
+                self._uncommit(tid)
+
+    def committed_work(self) -> dict[str, float]:
+        """Expected remaining tokens of the trajectories placed on each replica."""
+        return dict(self._work)
 
     def on_replica_down(self, replica: str, now: float) -> None:
+        for tid in [t for t, (r, _, _) in self._committed.items() if r == replica]:
+            self._uncommit(tid)
         self.tree.remove_replica(replica)
         for _, state in self._placements.items():
             if state.replica == replica:
@@ -245,6 +295,7 @@ class WarPolicy:
         its group's finished samples and its placement is forgotten."""
         self.progress.finish(trajectory_id, now)
         self._placements.pop(trajectory_id)
+        self._uncommit(trajectory_id)
 
     def num_trajectories(self) -> int:
         """Trajectories whose placement is remembered."""
