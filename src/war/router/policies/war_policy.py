@@ -41,12 +41,13 @@ Rules, per request, over the healthy replicas:
    tolerance is tighter than the stickiness one because a move loses only the
    shared prompt, not a whole trajectory's context.
    Placement weighs each candidate by its load score plus its *committed work*: the
-   expected remaining tokens of the trajectories that it served and that are now
-   between turns, running a tool (``ProgressEstimator``; the size of the
-   trajectory's last request while nothing is known). Tokens in flight miss those
-   trajectories; committed work sees them, so long groups are not stacked on one
-   replica. A trajectory stops counting when its next turn is in flight (tokens in
-   flight count it then), when it finishes, or after ``finish_idle_s`` idle.
+   expected remaining tokens of the trajectories placed on it (``ProgressEstimator``,
+   from their groups' earlier samples; the size of the trajectory's last request
+   while nothing is known), less the request in flight, which ``tokens_in_flight``
+   already counts. Tokens in flight miss trajectories that are running a tool and
+   the turns still to come; committed work sees them, so long groups are not
+   stacked on one replica. A trajectory stops counting when it finishes or after
+   ``finish_idle_s`` idle.
 4. Priority: ``Decision.priority`` is the trajectory's expected remaining generated
    tokens (``ProgressEstimator``: from its group's finished samples, this step's
    and earlier steps' with exponential decay, given the turns and tokens it has
@@ -204,10 +205,14 @@ class WarPolicy:
         priority = None
         if tid is not None:
             self._placements.put(tid, _Placement(choice, context_len), now)
+            remaining = self.progress.remaining_for(tid, request.group_id)
             if cfg.progress_priority:
-                priority = self.progress.remaining_for(tid, request.group_id)
+                priority = remaining
             self.progress.begin(tid, request.group_id, now)
-            self._uncommit(tid)  # its turn is in flight: tokens_in_flight counts it now
+            # this turn is in flight (tokens_in_flight counts it); what is expected
+            # beyond it stays committed to the replica
+            beyond = 0.0 if remaining is None else remaining - request.sampling.max_tokens
+            self._commit(tid, choice, max(0.0, beyond), now)
         elif cfg.progress_priority and request.group_id is not None:
             priority = self.progress.expected_remaining(request.group_id, 0, 0)
         return Decision(choice, priority=priority, migrated=migrated)
@@ -255,7 +260,8 @@ class WarPolicy:
     def _commit(self, tid: str, replica: str, work: float, now: float) -> None:
         self._uncommit(tid)
         self._committed[tid] = (replica, work, now)
-        self._work[replica] = self._work.get(replica, 0.0) + work
+        if work > 0:
+            self._work[replica] = self._work.get(replica, 0.0) + work
         heapq.heappush(self._seen, (now, tid))
         if len(self._seen) > 4 * len(self._committed) + 64:  # drop stale heap entries
             self._seen = [(t, k) for k, (_, _, t) in self._committed.items()]
@@ -264,9 +270,9 @@ class WarPolicy:
     def _uncommit(self, tid: str) -> None:
         old = self._committed.pop(tid, None)
         if old is not None:
-            left = self._work[old[0]] - old[1]
+            left = self._work.get(old[0], 0.0) - old[1]
             if left <= 1e-9:
-                del self._work[old[0]]
+                self._work.pop(old[0], None)
             else:
                 self._work[old[0]] = left
 
