@@ -107,7 +107,11 @@ def test_batched_sequences_of_different_lengths(model: CausalLM) -> None:
     _close(got[12:], _dense(model, prompts[2]))
     # step 2: one sequence finishes its prefill while the others decode
     inputs = [seqs[1].chunk([5], 1), seqs[0].chunk(prompts[0][11:], 2), seqs[2].chunk([7], 1)]
-    got = model.forward(build_batch(inputs), kv)
+    batch = build_batch(inputs)
+    # the 6-token chunk is attended to apart from the two 1-token decodes (no padding to 6)
+    assert [tuple(m.shape) for _, _, m in batch.groups()] == [(2, 1, 10), (1, 6, 17)]
+    assert batch.num_seqs == 3
+    got = model.forward(batch, kv)
     _close(got[0], _dense(model, seqs[1].tokens)[-1])
     _close(got[1:3], _dense(model, seqs[0].tokens)[-2:])
     _close(got[3], _dense(model, seqs[2].tokens)[-1])

@@ -150,6 +150,11 @@ class ForwardBatch:
       (padding: any valid slot, masked out).
     * ``attn_mask``: ``[B, Q, T]`` bool, True where a query may attend to a key.
     * ``logits_index``: ``[M]`` int64, which of the N tokens' logits are returned.
+    * ``extra_groups``: more ``(query_index, kv_slots, attn_mask)`` triples of other
+      sequences. ``build_batch`` puts sequences with very different numbers of new
+      tokens (a prefill chunk, a long draft, a plain decode) in different groups, so
+      that padding every sequence to the longest one does not multiply the cost of
+      attention; each group is attended to with its own padding.
     """
 
     input_ids: Tensor
@@ -159,6 +164,11 @@ class ForwardBatch:
     kv_slots: Tensor
     attn_mask: Tensor
     logits_index: Tensor
+    extra_groups: tuple[tuple[Tensor, Tensor, Tensor], ...] = ()
+
+    def groups(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """Every ``(query_index, kv_slots, attn_mask)`` group."""
+        return [(self.query_index, self.kv_slots, self.attn_mask), *self.extra_groups]
 
     @property
     def num_tokens(self) -> int:
@@ -166,7 +176,7 @@ class ForwardBatch:
 
     @property
     def num_seqs(self) -> int:
-        return int(self.query_index.shape[0])
+        return sum(int(q.shape[0]) for q, _, _ in self.groups())
 
     def check(self) -> None:
         """Raise ``ValueError`` unless the tensors' shapes and dtypes fit together."""
@@ -177,19 +187,20 @@ class ForwardBatch:
                 raise ValueError(f"ForwardBatch.{name} must be a 1-D int64 tensor")
         if self.positions.shape[0] != n or self.slot_mapping.shape[0] != n:
             raise ValueError("ForwardBatch: input_ids, positions, slot_mapping differ in length")
-        if self.query_index.dim() != 2 or self.query_index.dtype != torch.int64:
-            raise ValueError("ForwardBatch.query_index must be a [B, Q] int64 tensor")
-        if self.kv_slots.dim() != 2 or self.kv_slots.dtype != torch.int64:
-            raise ValueError("ForwardBatch.kv_slots must be a [B, T] int64 tensor")
-        b, q = self.query_index.shape
-        t = self.kv_slots.shape[1]
-        if self.kv_slots.shape[0] != b:
-            raise ValueError("ForwardBatch: query_index and kv_slots differ in batch size")
-        if self.attn_mask.dtype != torch.bool or tuple(self.attn_mask.shape) != (b, q, t):
-            raise ValueError(
-                f"ForwardBatch.attn_mask must be bool [{b}, {q}, {t}], got "
-                f"{self.attn_mask.dtype} {tuple(self.attn_mask.shape)}"
-            )
+        for query_index, kv_slots, attn_mask in self.groups():
+            if query_index.dim() != 2 or query_index.dtype != torch.int64:
+                raise ValueError("ForwardBatch.query_index must be a [B, Q] int64 tensor")
+            if kv_slots.dim() != 2 or kv_slots.dtype != torch.int64:
+                raise ValueError("ForwardBatch.kv_slots must be a [B, T] int64 tensor")
+            b, q = query_index.shape
+            t = kv_slots.shape[1]
+            if kv_slots.shape[0] != b:
+                raise ValueError("ForwardBatch: query_index and kv_slots differ in batch size")
+            if attn_mask.dtype != torch.bool or tuple(attn_mask.shape) != (b, q, t):
+                raise ValueError(
+                    f"ForwardBatch.attn_mask must be bool [{b}, {q}, {t}], got "
+                    f"{attn_mask.dtype} {tuple(attn_mask.shape)}"
+                )
 
 
 @dataclass(frozen=True)
@@ -273,9 +284,7 @@ def build_batch(inputs: Sequence[SeqInput], device: torch.device | str = "cpu", 
         cached_l.append(_as_i64(s.cached_slots))
     ns = [a.shape[0] for a in ids_l]
     cs = [a.shape[0] for a in cached_l]
-    b, n_total = len(inputs), sum(ns)
-    q_max = max(ns)
-    t_max = max(c + n for c, n in zip(cs, ns, strict=True))
+    n_total = sum(ns)
 
     input_ids = np.concatenate(ids_l)
     positions = np.concatenate(pos_l)
@@ -294,39 +303,60 @@ def build_batch(inputs: Sequence[SeqInput], device: torch.device | str = "cpu", 
     if np.unique(slot_mapping).shape[0] != n_total:
         raise ValueError("build_batch: two new tokens are written to the same KV slot")
 
-    query_index = np.full((b, q_max), n_total, dtype=np.int64)
-    kv_slots = np.empty((b, t_max), dtype=np.int64)
-    mask = np.zeros((b, q_max, t_max), dtype=bool)
-    logits_parts = []
-    offset = 0
-    for i, s in enumerate(inputs):
-        n, c = ns[i], cs[i]
-        query_index[i, :n] = np.arange(offset, offset + n)
-        kv_slots[i, :c] = cached_l[i]
-        kv_slots[i, c:c + n] = new_l[i]
-        kv_slots[i, c + n:] = new_l[i][0]
-        mask[i, :n, :c] = True
-        if s.parents is None:
-            mask[i, :n, c:c + n] = np.tri(n, dtype=bool)
-        else:
-            mask[i, :n, c:c + n] = _tree_mask(s.parents)
-        mask[i, n:, 0] = True
-        logits_parts.append(np.arange(offset + n - s.num_logits, offset + n))
-        offset += n
-    logits_index = np.concatenate(logits_parts).astype(np.int64)
+    offsets = np.concatenate(([0], np.cumsum(ns)))
+    logits_index = np.concatenate([
+        np.arange(offsets[i] + ns[i] - s.num_logits, offsets[i] + ns[i])
+        for i, s in enumerate(inputs)]).astype(np.int64)
 
     def t(a: np.ndarray) -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    groups = []
+    for members in _group_by_queries(ns):
+        q_max = max(ns[i] for i in members)
+        t_max = max(cs[i] + ns[i] for i in members)
+        query_index = np.full((len(members), q_max), n_total, dtype=np.int64)
+        kv_slots = np.empty((len(members), t_max), dtype=np.int64)
+        mask = np.zeros((len(members), q_max, t_max), dtype=bool)
+        for row, i in enumerate(members):
+            s, n, c, offset = inputs[i], ns[i], cs[i], offsets[i]
+            query_index[row, :n] = np.arange(offset, offset + n)
+            kv_slots[row, :c] = cached_l[i]
+            kv_slots[row, c:c + n] = new_l[i]
+            kv_slots[row, c + n:] = new_l[i][0]
+            mask[row, :n, :c] = True
+            if s.parents is None:
+                mask[row, :n, c:c + n] = np.tri(n, dtype=bool)
+            else:
+                mask[row, :n, c:c + n] = _tree_mask(s.parents)
+            mask[row, n:, 0] = True
+        groups.append((t(query_index), t(kv_slots), t(mask)))
 
     return ForwardBatch(
         input_ids=t(input_ids),
         positions=t(positions),
         slot_mapping=t(slot_mapping),
-        query_index=t(query_index),
-        kv_slots=t(kv_slots),
-        attn_mask=t(mask),
+        query_index=groups[0][0],
+        kv_slots=groups[0][1],
+        attn_mask=groups[0][2],
         logits_index=t(logits_index),
+        extra_groups=tuple(groups[1:]),
     )
+
+
+def _group_by_queries(ns: Sequence[int], spread: int = 4) -> list[list[int]]:
+    """Sequences (by index) grouped so that within a group the most new tokens is at
+    most ``spread`` times the fewest: padded attention then costs at most about
+    ``spread`` times the useful work, while a step of similar sequences stays one
+    group (one attention call per layer)."""
+    order = sorted(range(len(ns)), key=lambda i: (ns[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and ns[i] <= spread * ns[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 # ---------------------------------------------------------------------------------
@@ -335,11 +365,10 @@ def build_batch(inputs: Sequence[SeqInput], device: torch.device | str = "cpu", 
 
 
 @dataclass
-class PagedPlan:
-    """Per-step index tensors shared by all layers (built once by ``plan_paged``).
+class GroupPlan:
+    """One attention group's index tensors (see ``ForwardBatch.extra_groups``).
 
     * ``query_index``: ``[B * Q]`` rows of the zero-padded ``[N + 1]`` queries.
-    * ``token_to_query``: ``[N]`` position of each new token in the ``B * Q`` grid.
     * ``kv_slots``: ``[B * T]`` flat KV slots.
     * ``mask``: ``[B, 1, G * Q, T]`` bool, the mask repeated for the ``G`` query
       heads that share a key/value head; every row has at least one True.
@@ -349,31 +378,44 @@ class PagedPlan:
     num_queries: int
     num_keys: int
     query_index: Tensor
-    token_to_query: Tensor
-    slot_mapping: Tensor
     kv_slots: Tensor
     mask: Tensor
 
 
+@dataclass
+class PagedPlan:
+    """Per-step index tensors shared by all layers (built once by ``plan_paged``):
+    the groups, and ``token_to_query`` (``[N]``: each new token's row among the
+    groups' outputs, concatenated)."""
+
+    groups: list[GroupPlan]
+    token_to_query: Tensor
+    slot_mapping: Tensor
+
+
 def plan_paged(batch: ForwardBatch, num_kv_groups: int) -> PagedPlan:
-    """Flatten ``batch``'s indices and expand its mask for grouped-query attention."""
+    """Flatten ``batch``'s indices and expand its masks for grouped-query attention."""
     batch.check()
-    b, q = batch.query_index.shape
-    t = batch.kv_slots.shape[1]
     n = batch.num_tokens
-    device = batch.query_index.device
-    qi = batch.query_index.reshape(-1)
+    device = batch.input_ids.device
     inverse = torch.zeros(n + 1, dtype=torch.int64, device=device)
-    inverse.scatter_(0, qi, torch.arange(b * q, dtype=torch.int64, device=device))
-    mask = batch.attn_mask
-    # a row without any key would make softmax NaN: let such rows see column 0
-    # (done unconditionally, so that no device-to-host sync is needed)
-    first = mask[..., :1] | ~mask.any(dim=-1, keepdim=True)
-    mask = torch.cat((first, mask[..., 1:]), dim=-1)
+    plans = []
+    base = 0
     g = num_kv_groups
-    mask = mask.unsqueeze(1).expand(b, g, q, t).reshape(b, 1, g * q, t)
-    return PagedPlan(b, q, t, qi, inverse[:n], batch.slot_mapping, batch.kv_slots.reshape(-1),
-                     mask)
+    for query_index, kv_slots, attn_mask in batch.groups():
+        b, q = query_index.shape
+        t = kv_slots.shape[1]
+        qi = query_index.reshape(-1)
+        inverse.scatter_(0, qi, torch.arange(base, base + b * q, dtype=torch.int64,
+                                              device=device))
+        base += b * q
+        # a row without any key would make softmax NaN: let such rows see column 0
+        # (done unconditionally, so that no device-to-host sync is needed)
+        first = attn_mask[..., :1] | ~attn_mask.any(dim=-1, keepdim=True)
+        mask = torch.cat((first, attn_mask[..., 1:]), dim=-1)
+        mask = mask.unsqueeze(1).expand(b, g, q, t).reshape(b, 1, g * q, t)
+        plans.append(GroupPlan(b, q, t, qi, kv_slots.reshape(-1), mask))
+    return PagedPlan(plans, inverse[:n], batch.slot_mapping)
 
 
 class Attention(nn.Module):
@@ -430,18 +472,21 @@ class Attention(nn.Module):
         new tokens' K/V are written to them first, then each sequence's keys are
         gathered at its ``kv_slots``.
         """
-        b, nq, nt = plan.num_seqs, plan.num_queries, plan.num_keys
         g, nkv, hd = self.num_kv_groups, self.num_kv_heads, self.head_dim
         q, k, v = self._qkv(x, cos, sin)
         k_cache.index_copy_(0, plan.slot_mapping, k)
         v_cache.index_copy_(0, plan.slot_mapping, v)
-        keys = k_cache.index_select(0, plan.kv_slots).view(b, nt, nkv, hd).transpose(1, 2)
-        values = v_cache.index_select(0, plan.kv_slots).view(b, nt, nkv, hd).transpose(1, 2)
         q_pad = torch.cat((q, q.new_zeros(1, self.num_heads, hd)), dim=0)
-        # heads h = kv * G + j share kv head ``kv``: fold the G heads into the query axis
-        queries = (q_pad.index_select(0, plan.query_index).view(b, nq, nkv, g, hd)
-                   .permute(0, 2, 3, 1, 4).reshape(b, nkv, g * nq, hd))
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask)
-        out = out.view(b, nkv, g, nq, hd).permute(0, 3, 1, 2, 4).reshape(b * nq, -1)
-        o: Tensor = self.o_proj(out.index_select(0, plan.token_to_query))
+        outs = []
+        for grp in plan.groups:
+            b, nq, nt = grp.num_seqs, grp.num_queries, grp.num_keys
+            keys = k_cache.index_select(0, grp.kv_slots).view(b, nt, nkv, hd).transpose(1, 2)
+            values = v_cache.index_select(0, grp.kv_slots).view(b, nt, nkv, hd).transpose(1, 2)
+            # heads h = kv * G + j share kv head ``kv``: fold the G heads into the query axis
+            queries = (q_pad.index_select(0, grp.query_index).view(b, nq, nkv, g, hd)
+                       .permute(0, 2, 3, 1, 4).reshape(b, nkv, g * nq, hd))
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=grp.mask)
+            outs.append(out.view(b, nkv, g, nq, hd).permute(0, 3, 1, 2, 4).reshape(b * nq, -1))
+        rows = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        o: Tensor = self.o_proj(rows.index_select(0, plan.token_to_query))
         return o
