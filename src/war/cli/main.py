@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from war.cli import rollout, route, serve, spec
+from war.cli import rollout, route, serve, sim, spec, train_policy
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_spec_command(commands)
     serve.add_serve_command(commands)
     route.add_route_command(commands)
+    train_policy.add_train_policy_command(commands)
+    sim.add_sim_command(commands)
     return parser
 
 

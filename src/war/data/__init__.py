@@ -1,4 +1,5 @@
-"""Bundled demo data: a GPT-2 tokenizer and a small sample of agent traces.
+"""Bundled demo data: a GPT-2 tokenizer, a small sample of agent traces and the
+built-in tiny policy (a Hugging Face model folder, ``policy/``).
 
 This module knows where the packaged files are and how they are compressed; it does
 not know the trace format (`war.spec.traces`) or anything about speculation.
@@ -11,11 +12,21 @@ from __future__ import annotations
 import gzip
 from importlib.resources import files
 from importlib.resources.abc import Traversable
+from pathlib import Path
 
-__all__ = ["GPT2_TOKENIZER", "SAMPLE_TRACES", "Traversable", "gpt2_tokenizer_json", "resource"]
+__all__ = [
+    "GPT2_TOKENIZER",
+    "POLICY",
+    "SAMPLE_TRACES",
+    "Traversable",
+    "gpt2_tokenizer_json",
+    "policy_path",
+    "resource",
+]
 
 GPT2_TOKENIZER = "gpt2-tokenizer.json.gz"
 SAMPLE_TRACES = "sample_traces.jsonl.gz"
+POLICY = "policy"
 
 
 def resource(name: str) -> Traversable:
@@ -29,3 +40,13 @@ def resource(name: str) -> Traversable:
 def gpt2_tokenizer_json() -> str:
     """The bundled GPT-2 `tokenizer.json`, decompressed (for `Tokenizer.from_str`)."""
     return gzip.decompress(resource(GPT2_TOKENIZER).read_bytes()).decode("utf-8")
+
+
+def policy_path() -> Path:
+    """The folder of the built-in policy (``config.json``, ``model.safetensors``,
+    ``tokenizer.json``, ``tokenizer_config.json``), made by ``war train-policy``;
+    raises FileNotFoundError if it is not installed."""
+    folder = Path(str(files(__name__).joinpath(POLICY)))
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"war.data has no built-in policy in {folder}")
+    return folder

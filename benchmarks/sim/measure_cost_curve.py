@@ -1,0 +1,84 @@
+"""Measures the CPU engine's forward-pass cost curve once, for the simulator's profile.
+
+The simulator's ``ProfileCost`` (``war.sim.profile``) is fitted to the cost curve the
+engine's load benchmark measures (``war.engine.bench.measure_cost_curve``: one paged
+forward pass of ``batch`` sequences, each with ``context`` cached tokens and ``1 +
+draft_tokens`` new ones, median of interleaved repeats). This script measures that
+curve for the benchmark's small trace model shape (random weights: the cost of a
+forward pass does not depend on their values) at two context lengths, so that the
+context term of the fit is identified, and writes it as JSON::
+
+    python benchmarks/sim/measure_cost_curve.py --json benchmarks/sim/data/cpu_cost_curve.json
+
+The checked-in ``data/cpu_cost_curve.json`` was measured once with this script; the
+tests fit the profile on some of its shapes and check the predictions on the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from war.engine.bench import TraceModelConfig, machine_info, measure_cost_curve
+from war.engine.loader import init_random
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--json", type=Path, required=True, metavar="OUT", help="write here")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--drafts", type=int, nargs="+", default=[0, 2, 4, 8, 16])
+    p.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--repeats", type=int, default=7, help="repeats per pass (median)")
+    p.add_argument("--passes", type=int, default=3,
+                   help="passes over the whole grid; a shape's figure is the median of its "
+                        "passes (the machine is shared: one pass alone is noisy)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    recipe = TraceModelConfig()
+    config = recipe.model_config(eos_id=0, pad_id=0)
+    model = init_random(config, args.seed)
+    t0 = time.perf_counter()
+    passes: dict[tuple[int, int, int], list[float]] = {}
+    for i in range(args.passes):
+        for context in args.contexts:
+            for p in measure_cost_curve(model, args.batches, args.drafts, context, args.repeats,
+                                        args.seed + i):
+                passes.setdefault((context, p.batch, p.draft_tokens), []).append(p.step_ms)
+    points: list[dict[str, Any]] = [
+        {"batch": b, "draft_tokens": k, "context": c, "step_ms": statistics.median(ms),
+         "step_ms_passes": ms}
+        for (c, b, k), ms in passes.items()
+    ]
+    report = {
+        "cost_curve": points,
+        "model": {"recipe": dataclasses.asdict(recipe),
+                  "num_params": sum(p.numel() for p in model.parameters()),
+                  "weights": "random (init_random)", "dtype": "float32"},
+        "settings": {"repeats": args.repeats, "passes": args.passes, "threads": args.threads,
+                     "seed": args.seed},
+        "machine": machine_info(),
+        "seconds": time.perf_counter() - t0,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    print(f"{len(points)} shapes in {report['seconds']:.0f} s -> {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

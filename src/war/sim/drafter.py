@@ -1,0 +1,186 @@
+"""Drafts for simulated sequences, and what the target model accepts of them.
+
+Knows: the ``Drafter`` contract a simulated replica uses, and two drafters. The
+``LiveDrafter`` runs the real ``SuffixSpeculator`` (through the engine's own
+``TrajectoryDrafts`` bookkeeping, one per replica as in the engine): it proposes
+from the trajectory's tokens, its group's and everyone's history, and a draft token
+is accepted when it matches the trace's actual next token (the longest matching root
+path, as ``war.spec.replay`` verifies), so acceptance is what the speculator achieves
+on the workload. The ``CachedDrafter`` reads the drafts and acceptances a replay
+recorded at every position (``war.sim.acceptance``), for runs too large for the live
+speculator. Does not know models, costs, time or how many draft tokens to verify
+(``SpecPolicy`` decides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from war.engine.drafting import TrajectoryDrafts
+from war.sim.acceptance import AcceptanceTable, RecordedTurn
+from war.sim.sequence import SimSeq
+from war.spec.config import SpecConfig
+from war.spec.speculator import SuffixSpeculator
+from war.spec.tree import BatchDrafts
+
+FloatArray = npt.NDArray[np.float64]
+
+
+class Drafter(Protocol):
+    """Drafting for one replica. ``propose`` then ``verify`` for each of its
+    sequences, within one step."""
+
+    def begin(self, seq: SimSeq) -> None:
+        """A turn starts on this replica (its context is ``seq.context``)."""
+        ...
+
+    def propose(self, seqs: Sequence[SimSeq], rooms: Sequence[int]) -> list[FloatArray]:
+        """Each sequence's draft as path probabilities in index order, at most
+        ``rooms[i]`` tokens."""
+        ...
+
+    def verify(self, i: int, k: int) -> int:
+        """How many draft tokens are accepted when sequence ``i`` of the last
+        ``propose`` verifies the first ``k`` (>= 1) of its draft (in index order);
+        ``last_path`` then holds their indices."""
+        ...
+
+    @property
+    def last_path(self) -> Sequence[int]: ...
+
+    def advance(self, seq: SimSeq, start: int, end: int) -> None:
+        """``seq.response[start:end]`` was generated."""
+        ...
+
+    def end(self, seq: SimSeq) -> None:
+        """The turn is complete; its response joins the history."""
+        ...
+
+    def share(self, tokens: Sequence[int], group_id: Hashable | None) -> None:
+        """A response completed on another replica (shared history)."""
+        ...
+
+    def observe_rl_step(self, rl_step: int) -> None: ...
+
+
+def accepted_path(token_ids: Sequence[int], parents: Sequence[int], target: Sequence[int],
+                  start: int) -> list[int]:
+    """Indices of the draft nodes the target accepts: the longest root path whose
+    tokens equal ``target[start:]`` (at each level the first matching child)."""
+    path: list[int] = []
+    node, limit = -1, len(target) - start
+    for i, (token, parent) in enumerate(zip(token_ids, parents, strict=True)):
+        if len(path) == limit:
+            break
+        if parent == node and token == target[start + len(path)]:
+            path.append(i)
+            node = i
+    return path
+
+
+class LiveDrafter:
+    """The real suffix speculator (module docstring)."""
+
+    def __init__(self, config: SpecConfig, max_idle: int = 4096) -> None:
+        self.spec = SuffixSpeculator(config)
+        self.drafts = TrajectoryDrafts(self.spec, max_idle)
+        self.max_spec_tokens = config.max_spec_tokens
+        self._last: BatchDrafts | None = None
+        self._seqs: Sequence[SimSeq] = ()
+        self._path: list[int] = []
+
+    def begin(self, seq: SimSeq) -> None:
+        seq.spec_id = self.drafts.begin(seq.context, seq.traj.traj_id, seq.traj.group_id)
+
+    def propose(self, seqs: Sequence[SimSeq], rooms: Sequence[int]) -> list[FloatArray]:
+        sids = [s.spec_id for s in seqs]
+        assert all(s is not None for s in sids), "propose before begin"
+        out = self.drafts.propose([int(s) for s in sids if s is not None], self.max_spec_tokens)
+        self._last, self._seqs = out, seqs
+        off = out.offsets.tolist()
+        probs = out.probs.astype(np.float64, copy=False)
+        return [probs[off[i]:off[i] + max(0, min(off[i + 1] - off[i], rooms[i]))]
+                for i in range(len(seqs))]
+
+    def verify(self, i: int, k: int) -> int:
+        out, seq = self._last, self._seqs[i]
+        assert out is not None
+        a = int(out.offsets[i])
+        self._path = accepted_path(out.token_ids[a:a + k].tolist(),
+                                   out.parents[a:a + k].tolist(), seq.response, seq.generated)
+        return len(self._path)
+
+    @property
+    def last_path(self) -> Sequence[int]:
+        return self._path
+
+    def advance(self, seq: SimSeq, start: int, end: int) -> None:
+        if end > start and seq.spec_id is not None:
+            self.drafts.extend(seq.spec_id, seq.response[start:end])
+
+    def end(self, seq: SimSeq) -> None:
+        if seq.spec_id is not None:
+            self.drafts.end(seq.spec_id, seq.traj.traj_id, commit=True)
+            seq.spec_id = None
+
+    def share(self, tokens: Sequence[int], group_id: Hashable | None) -> None:
+        self.spec.add_history(list(tokens), group_id)
+
+    def observe_rl_step(self, rl_step: int) -> None:
+        if rl_step > self.spec.rl_step:
+            self.spec.observe_step(rl_step)
+
+
+class CachedDrafter:
+    """Drafts and acceptances recorded by a replay (``AcceptanceTable``)."""
+
+    def __init__(self, table: AcceptanceTable) -> None:
+        self.table = table
+        self._acc: list[int] = []
+        self._n = 0
+
+    def begin(self, seq: SimSeq) -> None:
+        seq.spec_id = 0
+        seq.draft = self.table.turn(seq.traj.source, seq.turn)
+
+    def propose(self, seqs: Sequence[SimSeq], rooms: Sequence[int]) -> list[FloatArray]:
+        out = []
+        accs: list[int] = []
+        for s, room in zip(seqs, rooms, strict=True):
+            t = s.draft
+            assert isinstance(t, RecordedTurn), "propose before begin"
+            p = s.generated
+            if p < len(t.accepted):
+                a = t.offsets[p]
+                out.append(t.probs[a:min(t.offsets[p + 1], a + max(room, 0))])
+                accs.append(t.accepted[p])
+            else:
+                out.append(t.probs[:0])
+                accs.append(0)
+        self._acc = accs
+        return out
+
+    def verify(self, i: int, k: int) -> int:
+        self._n = min(self._acc[i], k)  # chains: a prefix
+        return self._n
+
+    @property
+    def last_path(self) -> Sequence[int]:
+        return range(self._n)
+
+    def advance(self, seq: SimSeq, start: int, end: int) -> None:
+        pass
+
+    def end(self, seq: SimSeq) -> None:
+        seq.spec_id = None
+        seq.draft = None
+
+    def share(self, tokens: Sequence[int], group_id: Hashable | None) -> None:
+        pass
+
+    def observe_rl_step(self, rl_step: int) -> None:
+        pass

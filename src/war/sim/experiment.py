@@ -1,0 +1,231 @@
+"""Experiments from YAML: a load sweep of routing and speculation configurations.
+
+Knows: the experiment file's schema (``Experiment``; ``benchmarks/sim/*.yaml`` and
+docs/sim.md), how its sections become a cost model, a workload for each load (load =
+trajectories of an RL step per replica) and a ``SimConfig`` for each configuration,
+and how to run every (configuration, load) pair, in worker processes if asked, into
+one report. Does not know the event loop (``war.sim.simulator``), the targets
+(``war.sim.report``) or files other than the experiment and its traces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from war.sim.acceptance import AcceptanceTable, record_acceptance
+from war.sim.costs import CostModel, LinearCost, RooflineCost
+from war.sim.drafter import CachedDrafter, Drafter
+from war.sim.profile import ProfileCost, load_cost_curve
+from war.sim.replica import ReplicaConfig
+from war.sim.simulator import SimConfig, Simulator
+from war.sim.synthetic import SyntheticConfig, synthetic_workload
+from war.sim.workload import LatencyModel, TraceSet, Workload, build_trace_steps
+from war.spec.config import SpecConfig
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A parsed experiment file (sections as in docs/sim.md); validated on construction."""
+
+    name: str
+    base_dir: Path
+    workload: Mapping[str, Any]
+    cost: Mapping[str, Any]
+    configs: Mapping[str, Mapping[str, Any]]
+    loads: tuple[float, ...]
+    replica: Mapping[str, Any] = field(default_factory=dict)
+    spec: Mapping[str, Any] = field(default_factory=dict)
+    sim: Mapping[str, Any] = field(default_factory=dict)
+    traces: tuple[str, ...] = ()
+    drafts: str = "live"
+    plot_load: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.configs:
+            raise ValueError("an experiment needs at least one configuration")
+        for name, c in self.configs.items():
+            if not isinstance(c, Mapping) or "policy" not in c:
+                raise ValueError(f"configuration {name!r} needs a policy")
+        if not self.loads or min(self.loads) <= 0:
+            raise ValueError(f"loads must be positive, got {self.loads}")
+        if self.drafts not in ("live", "cached"):
+            raise ValueError(f"drafts must be 'live' or 'cached', got {self.drafts!r}")
+        if self.workload.get("kind", "traces") not in ("traces", "synthetic"):
+            raise ValueError(f"unknown workload kind {self.workload.get('kind')!r}")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Experiment:
+        p = Path(path)
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise ValueError(f"{p}: an experiment file is a mapping")
+        known = {f.name for f in dataclasses.fields(cls)} - {"base_dir"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"{p}: unknown section(s) {sorted(unknown)}")
+        raw["base_dir"] = p.resolve().parent
+        raw["loads"] = tuple(float(x) for x in raw.get("loads", ()))
+        raw["traces"] = tuple(raw.get("traces", ()))
+        raw.setdefault("name", p.stem)
+        return cls(**raw)
+
+
+def build_cost(spec: Mapping[str, Any], base_dir: Path) -> CostModel:
+    """A cost model from the ``cost`` section (``kind``: roofline, profile, linear)."""
+    args = dict(spec)
+    kind = args.pop("kind", "roofline")
+    if kind == "roofline":
+        return RooflineCost(**args)
+    if kind == "linear":
+        return LinearCost(**args)
+    if kind == "profile":
+        curve = base_dir / str(args.pop("curve"))
+        fit = ProfileCost.fit(load_cost_curve(curve, args.pop("context", None)),
+                              args.pop("kv_tokens", None))
+        if args:
+            raise ValueError(f"unknown profile settings {sorted(args)}")
+        return fit
+    raise ValueError(f"unknown cost model kind {kind!r}")
+
+
+def resolve_traces(names: Sequence[str], base_dir: Path) -> list[Path]:
+    """Trace files: paths as given, else relative to the experiment, else in the nearest
+    ``shared/data/traces`` above it."""
+    out = []
+    for name in names:
+        candidates = [Path(name), base_dir / name]
+        for folder in (base_dir, *base_dir.parents):
+            candidates.append(folder / "shared" / "data" / "traces" / name)
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            raise FileNotFoundError(f"trace file not found: {name}")
+        out.append(found)
+    return out
+
+
+def build_workload(exp: Experiment, load: float, traces: TraceSet | None) -> Workload:
+    """The workload at ``load`` trajectories per replica and RL step."""
+    w = dict(exp.workload)
+    kind = w.pop("kind", "traces")
+    replicas = int(exp.sim.get("num_replicas", 4))
+    rl_steps = int(w.pop("rl_steps", 1))
+    if kind == "synthetic":
+        cfg = SyntheticConfig(**w)
+        groups = max(1, round(load * replicas / cfg.group_size))
+        return synthetic_workload(cfg, groups, rl_steps)
+    if traces is None:
+        raise ValueError("a trace workload needs traces")
+    group_size = w.pop("group_size", None)
+    copies = bool(w.pop("copies", False))
+    seed = int(w.pop("seed", 0))
+    latency = LatencyModel(**w.pop("latency", {}), seed=seed)
+    if w:
+        raise ValueError(f"unknown workload settings {sorted(w)}")
+    tasks = {t.task_id: 0 for t in traces.trajectories if t.turns}
+    for t in traces.trajectories:
+        if t.turns:
+            tasks[t.task_id] += 1
+    per_group = group_size or max(tasks.values())
+    per_step = max(1, round(load * replicas / per_group))
+    if not copies:
+        rl_steps = max(1, min(rl_steps, len(tasks) // per_step))
+    return build_trace_steps(traces, per_step, rl_steps, group_size, latency, seed, copies)
+
+
+def sim_config(exp: Experiment, config: Mapping[str, Any]) -> SimConfig:
+    c = dict(config)
+    policy = c.pop("policy")
+    settings = c.pop("policy_settings", {})
+    replica = {**exp.replica, **c.pop("replica", {})}
+    if "spec_mode" in c:
+        replica["spec_mode"] = c.pop("spec_mode")
+    if c:
+        raise ValueError(f"unknown configuration settings {sorted(c)}")
+    spec = SpecConfig(**exp.spec)
+    replica.setdefault("max_spec_tokens", spec.max_spec_tokens)
+    return SimConfig(policy=policy, policy_settings=settings, replica=ReplicaConfig(**replica),
+                     spec=spec, **exp.sim)
+
+
+# ------------------------------------------------------------------ running
+
+_STATE: dict[str, Any] = {}  # set before forking workers: experiment, traces, table
+
+
+def _run_one(job: tuple[str, float]) -> dict[str, Any]:
+    name, load = job
+    exp: Experiment = _STATE["exp"]
+    cost = build_cost(exp.cost, exp.base_dir)
+    workload = build_workload(exp, load, _STATE.get("traces"))
+    make: Callable[[int], Drafter] | None = None
+    if exp.drafts == "cached":
+        table: AcceptanceTable = _STATE.setdefault("table", AcceptanceTable())
+        t0 = time.perf_counter()
+        record_acceptance([t for s in workload.steps for t in s], SpecConfig(**exp.spec), table)
+        _STATE["record_s"] = _STATE.get("record_s", 0.0) + time.perf_counter() - t0
+        make = lambda _i: CachedDrafter(table)  # noqa: E731
+    t0 = time.perf_counter()
+    sim = Simulator(sim_config(exp, exp.configs[name]), cost, workload, make_drafter=make)
+    result = sim.run()
+    row: dict[str, Any] = {"config": name,
+                           "load": workload.num_trajectories / len(workload.steps)
+                           / sim.config.num_replicas, "requested_load": load}
+    row.update(result.summary())
+    row["wall_s"] = time.perf_counter() - t0
+    if exp.drafts == "cached":
+        row["acceptance_table"] = {**_STATE["table"].summary(), "record_s": _STATE["record_s"]}
+    row["rl_steps"] = len(workload.steps)
+    if load == (exp.plot_load if exp.plot_load is not None else max(exp.loads)):
+        row["finish_times"] = [t for m in result.steps for t in m.finish_times]
+        if result.timeline is not None:
+            row["timeline"] = result.timeline.series()
+    return row
+
+
+def run_experiment(exp: Experiment, trace_paths: Sequence[Path] | None = None,
+                   workers: int = 1, log: Log | None = None,
+                   loads: Sequence[float] | None = None,
+                   configs: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs every (configuration, load) of ``exp``; returns the report's ``results``,
+    ``workload`` and ``wall_s`` (targets are added by ``war.sim.report``)."""
+    t0 = time.perf_counter()
+    emit = log or (lambda _m: None)
+    _STATE.clear()
+    _STATE["exp"] = exp
+    kind = exp.workload.get("kind", "traces")
+    if kind == "traces":
+        paths = list(trace_paths) if trace_paths else resolve_traces(exp.traces, exp.base_dir)
+        _STATE["traces"] = TraceSet.load(paths)
+        emit(f"traces: {len(_STATE['traces'].trajectories)} trajectories "
+             f"({time.perf_counter() - t0:.1f} s)")
+    names = list(configs) if configs else list(exp.configs)
+    jobs = [(n, ld) for ld in (loads or exp.loads) for n in names]
+    rows: list[dict[str, Any]] = []
+    if workers > 1:
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(workers) as pool:
+            for row in pool.imap(_run_one, jobs):
+                rows.append(row)
+                emit(_line(row))
+    else:
+        for job in jobs:
+            rows.append(_run_one(job))
+            emit(_line(rows[-1]))
+    return {"name": exp.name, "results": rows, "wall_s": time.perf_counter() - t0}
+
+
+def _line(row: dict[str, Any]) -> str:
+    return (f"{row['config']:>14} load {row['load']:6.1f}: {row['throughput']:9.1f} tok/s, "
+            f"makespan {row['makespan_s']:7.1f} s (x{row['lower_bound_ratio']:.2f} bound), "
+            f"hit {row['prefix_hit_rate']:.2f}, {row['tokens_per_step']:.2f} tok/step "
+            f"[{row['wall_s']:.1f} s]")

@@ -1,0 +1,332 @@
+"""A simulated replica: the engine's continuous batching, in virtual time.
+
+Knows: its queue (priority, then arrival) and running sequences, its KV memory
+(``PrefixKV``: private blocks and a radix prefix cache with LRU eviction), its
+speculation (``Speculation``: a drafter and the engine's load-aware ``SpecPolicy``),
+and the cost model that says how long each step takes. One step, as the engine's
+scheduler plans it: running sequences in priority order (a decode takes one token, a
+prefill a chunk, under ``max_num_batched_tokens``; when blocks run out the
+lowest-priority unscheduled sequence is preempted, its computed prefix cached for its
+recomputation), then waiting sequences admitted with their longest cached prefix;
+then drafts for the decoding sequences, their budget, verification against the trace,
+and the step's duration. Does not know routing, trajectories beyond one turn, or the
+wall clock: ``start_step(now)`` plans and returns how long until the step ends,
+``finish_step(now)`` applies it.
+
+Simplifications (docs/sim.md): a prompt is cached when its prefill completes and a
+context when its turn ends (the engine publishes every full block after each step).
+``max_coalesced_steps`` > 1 (cluster scale) runs up to that many consecutive steps
+in one event while the replica only decodes at most ``coalesce_max_seqs`` sequences
+and nobody waits (the long tail of a step), until a turn completes; a request that
+arrives meanwhile waits for the end of those steps.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from operator import attrgetter
+
+from war.engine.spec_policy import MODES, SpecPolicy
+from war.sim.costs import CostModel
+from war.sim.drafter import Drafter
+from war.sim.kvcache import PrefixKV
+from war.sim.sequence import SimSeq
+from war.sim.speculation import Speculation
+
+_KEY = attrgetter("key")
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """One replica's engine settings (as ``war.engine.config.EngineConfig``);
+    ``num_kv_blocks`` ``None``: the cost model's KV capacity; ``spec_interval``: steps
+    between the spec policy's decisions (``Speculation``); ``max_coalesced_steps``,
+    ``coalesce_max_seqs``: the module docstring (1: every step is an event)."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    spec_mode: str = "auto"
+    max_spec_tokens: int = 32
+    prefill_token_value: float = 1.0
+    spec_interval: int = 1
+    max_coalesced_steps: int = 1
+    coalesce_max_seqs: int = 4
+
+    def __post_init__(self) -> None:
+        for f in ("block_size", "max_num_seqs", "max_num_batched_tokens", "spec_interval",
+                  "max_coalesced_steps", "coalesce_max_seqs"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.spec_mode not in MODES:
+            raise ValueError(f"spec_mode must be one of {MODES}, got {self.spec_mode!r}")
+        if self.max_spec_tokens < 0 or self.max_num_batched_tokens < self.max_spec_tokens + 1:
+            raise ValueError("max_num_batched_tokens must leave room for one draft")
+
+
+@dataclass
+class ReplicaStats:
+    steps: int = 0
+    busy_s: float = 0.0
+    passes: int = 0  # sampling passes summed over sequences
+    generated: int = 0
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0
+    prefill_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+    last_drafted: int = 0  # draft tokens of the last event's steps
+    last_decodes: int = 0  # decoding sequences summed over the last event's steps
+
+
+class SimReplica:
+    """One simulated replica (module docstring)."""
+
+    def __init__(self, name: str, config: ReplicaConfig, cost: CostModel,
+                 drafter: Drafter | None, policy: SpecPolicy) -> None:
+        self.name, self.config, self.cost = name, config, cost
+        self.spec = Speculation(drafter, policy, config.spec_mode, config.max_spec_tokens,
+                                config.spec_interval)
+        self.drafter = self.spec.drafter
+        blocks = config.num_kv_blocks
+        if blocks is None:
+            cap = cost.kv_capacity_tokens()
+            if cap is None:
+                raise ValueError(f"{cost.name} does not know KV capacity: set num_kv_blocks")
+            blocks = cap // config.block_size
+        self.kv = PrefixKV(blocks, config.block_size)
+        self.waiting: list[tuple[tuple[float, int], SimSeq]] = []
+        self.running: list[SimSeq] = []
+        self.stats = ReplicaStats()
+        self.busy = False
+        self._prefills: list[tuple[SimSeq, int]] = []
+        self._decodes: list[tuple[SimSeq, int, int]] = []
+        self._done: list[SimSeq] = []  # turns completed by coalesced steps
+        self._preempted: set[int] = set()  # ids preempted while planning this step
+        self._step_no = 0
+
+    def submit(self, seq: SimSeq) -> None:
+        if seq.nprompt + seq.rlen > self.kv.num_blocks * self.kv.block_size:
+            raise ValueError(f"{seq.request.request_id}: {seq.nprompt} + {seq.rlen} tokens "
+                             f"exceed replica {self.name}'s KV")
+        heapq.heappush(self.waiting, (seq.key, seq))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def kv_used_blocks(self) -> int:
+        """Blocks held by running sequences (private or pinned in the cache)."""
+        return self.kv.private_blocks + self.kv.locked_blocks
+
+    # ------------------------------------------------------------------ planning
+
+    def start_step(self, now: float) -> float:
+        """Plans the next step (or steps, when coalescing) at ``now``; returns how long
+        until it ends. The replica must have work."""
+        dt = self._plan(now)
+        cfg = self.config
+        steps = 1
+        while (steps < cfg.max_coalesced_steps and not self.waiting and not self._prefills
+               and len(self.running) <= cfg.coalesce_max_seqs
+               and len(self._decodes) == len(self.running)):
+            done = self._apply(now + dt)
+            if done:
+                self._done = done
+                break
+            dt += self._plan(now + dt)
+            steps += 1
+        self.busy = True
+        return dt
+
+    def _plan(self, now: float) -> float:
+        cfg, kv = self.config, self.kv
+        bs = cfg.block_size
+        budget = cfg.max_num_batched_tokens
+        running = self.running
+        running.sort(key=_KEY)
+        self._step_no += 1
+        mark = self._step_no
+        preempted = self._preempted
+        preempted.clear()
+        prefills: list[tuple[SimSeq, int]] = []
+        decodes: list[SimSeq] = []
+        context = 0
+        for seq in list(running):
+            if budget <= 0:
+                break
+            if preempted and id(seq) in preempted:
+                continue  # preempted earlier in this loop
+            g, c = seq.generated, seq.computed
+            ntok = seq.nprompt + g
+            dec = g > 0 and c >= ntok - 1
+            n = 1 if dec else min((ntok if g == 0 else ntok - 1) - c, budget)
+            want = -(-(c + n) // bs) - seq.cached // bs - seq.private
+            if want > 0:
+                if kv.allocate(want):
+                    seq.private += want
+                elif not self._ensure(seq, c + n, mark, now):
+                    continue
+            seq.mark = mark
+            budget -= n
+            context += c + n
+            if dec:
+                decodes.append(seq)
+            else:
+                prefills.append((seq, n))
+        while self.waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+            seq = self.waiting[0][1]
+            n = self._admit(seq, budget, now)
+            if n == 0:
+                break
+            heapq.heappop(self.waiting)
+            running.append(seq)
+            seq.mark = mark
+            budget -= n
+            context += seq.computed + n
+            prefills.append((seq, n))
+        if not prefills and not decodes:
+            head = self.waiting[0][1] if self.waiting else None
+            raise RuntimeError(f"replica {self.name} cannot schedule anything "
+                               f"(head of queue: {head.request.request_id if head else None})")
+        base = cfg.max_num_batched_tokens - budget
+        ks, accs = self.spec.plan(decodes, base, context, budget, kv)
+        drafted = sum(ks)
+        batch, ctx = base + drafted, context + drafted
+        dt = self.cost.step_time(len(prefills) + len(decodes), batch, ctx, drafted)
+        self.spec.observe_step(batch, ctx, dt)
+        self._prefills = prefills
+        self._decodes = list(zip(decodes, ks, accs, strict=True))
+        st = self.stats
+        st.steps += 1
+        st.busy_s += dt
+        st.last_drafted += drafted
+        st.last_decodes += len(decodes)
+        return dt
+
+    def _ensure(self, seq: SimSeq, slots: int, mark: int, now: float) -> bool:
+        """Private blocks for ``slots`` tokens of ``seq``, preempting the lowest-priority
+        sequences not scheduled in step ``mark`` if needed; False if ``seq`` itself was
+        preempted."""
+        bs = self.config.block_size
+        want = -(-slots // bs) - seq.cached // bs - seq.private
+        while want > 0 and not self.kv.allocate(want):
+            victim = max((s for s in self.running if s.mark != mark), key=_KEY)
+            self.preempt(victim, now)
+            if victim is seq:
+                return False
+        if want > 0:
+            seq.private += want
+        return True
+
+    def _admit(self, seq: SimSeq, budget: int, now: float) -> int:
+        bs = self.config.block_size
+        target = seq.prefill_target
+        matched, node, used = self.kv.match(seq.tokens(seq.num_tokens), target - 1)
+        locked = self.kv.lock(node, used)
+        n = min(target - matched, budget)
+        want = -(-(matched + n) // bs) - matched // bs
+        if not self.kv.allocate(want):
+            self.kv.unlock(locked, now)
+            return 0
+        seq.node, seq.cached, seq.computed, seq.private = locked, matched, matched, want
+        if not seq.started:
+            seq.started = True
+            seq.cached_prompt = matched
+            self.stats.prompt_tokens += seq.nprompt
+            self.stats.cached_tokens += matched
+            if self.drafter is not None:
+                self.drafter.begin(seq)
+        return n
+
+    # ------------------------------------------------------------------ applying
+
+    def finish_step(self, now: float) -> list[SimSeq]:
+        """Applies the planned step(s) at their end ``now``; returns the turns they
+        completed (their KV released to the cache)."""
+        done = self._done + self._apply(now)
+        self._done = []
+        for seq in done:
+            self.running.remove(seq)
+            self._release(seq, seq.num_tokens, now)
+            if self.drafter is not None:
+                self.drafter.end(seq)
+        self.busy = False
+        return done
+
+    def _apply(self, now: float) -> list[SimSeq]:
+        """Applies the planned step; returns the turns it completed."""
+        st, kv, drafter = self.stats, self.kv, self.drafter
+        bs = self.config.block_size
+        done: list[SimSeq] = []
+        for seq, n in self._prefills:
+            seq.computed += n
+            st.prefill_tokens += n
+            if seq.generated == 0 and seq.computed == seq.nprompt:
+                self._cache(seq, now)
+                self._decodes.append((seq, 0, 0))  # the step samples its first token
+        generated = drafted = accepted = 0
+        for seq, k, acc in self._decodes:
+            g0 = seq.generated
+            ntok = seq.nprompt + g0
+            e = min(acc + 1, seq.rlen - g0)
+            seq.context_sum += ntok
+            seq.generated = g = g0 + e
+            ntok += e
+            seq.computed = ntok - 1
+            seq.passes += 1
+            seq.drafted += k
+            seq.accepted += acc
+            generated += e
+            drafted += k
+            accepted += acc
+            if drafter is not None:
+                drafter.advance(seq, g0, g)
+            keep = -(-ntok // bs) - seq.cached // bs
+            if seq.private > keep:
+                kv.free(seq.private - keep)
+                seq.private = keep
+            if g == seq.rlen:
+                done.append(seq)
+        st.passes += len(self._decodes)
+        st.generated += generated
+        st.drafted += drafted
+        st.accepted += accepted
+        self._prefills, self._decodes = [], []
+        return done
+
+    def _cache(self, seq: SimSeq, now: float) -> None:
+        """Caches the computed prefix of a running sequence and pins it instead."""
+        kv, bs = self.kv, self.config.block_size
+        kv.free(seq.private)
+        node = kv.insert(seq.tokens(seq.computed), now)
+        locked = kv.lock(node, len(node.key))
+        if seq.node is not None:
+            kv.unlock(seq.node, now)
+        seq.node, seq.cached = locked, seq.computed - seq.computed % bs
+        seq.private = -(-seq.computed // bs) - seq.cached // bs
+        ok = kv.allocate(seq.private)
+        assert ok, "caching a prefix never needs more blocks than it frees"
+
+    def _release(self, seq: SimSeq, tokens: int, now: float) -> None:
+        self.kv.free(seq.private)
+        self.kv.insert(seq.tokens(tokens), now)
+        if seq.node is not None:
+            self.kv.unlock(seq.node, now)
+        seq.node, seq.cached, seq.private = None, 0, 0
+
+    def preempt(self, seq: SimSeq, now: float) -> None:
+        """Frees a running sequence's KV (its computed prefix stays cached) and queues it
+        again for recomputation."""
+        self.running.remove(seq)
+        self._preempted.add(id(seq))
+        self._release(seq, seq.computed, now)
+        seq.computed = 0
+        seq.preemptions += 1
+        self.stats.preemptions += 1
+        heapq.heappush(self.waiting, (seq.key, seq))

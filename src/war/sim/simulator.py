@@ -1,0 +1,302 @@
+"""The discrete-event simulator: a fleet of simulated replicas behind a routing policy.
+
+Knows: virtual time (a heap of events: a trajectory's turn arrives, a replica's step
+ends, an idle replica looks for work), the router's side of each request (the same
+``RoutingPolicy`` objects the real router uses, asked with ``now`` and the replicas'
+views: requests and tokens in flight as the router counts them, KV use and queue
+length from load reports refreshed every ``load_report_interval_s``), shared draft
+history (a completed response goes to the other replicas' drafters), and the
+synchronous RL loop (every trajectory of a step starts at once; the next step starts
+when the last one ends, plus ``train_s``). Does not know the wall clock: policies and
+replicas only ever see ``now``; a run is deterministic given its inputs.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from war.engine.spec_policy import SpecPolicy, SpecPolicyConfig
+from war.router.policies import make_policy
+from war.router.policies.base import ReplicaView, RoutingPolicy
+from war.sim.costs import CostModel
+from war.sim.drafter import Drafter, LiveDrafter
+from war.sim.kvcache import common_prefix_len
+from war.sim.metrics import (
+    SimResult,
+    StepMetrics,
+    Timeline,
+    TurnRecord,
+    sequential_time,
+    work_time,
+)
+from war.sim.replica import ReplicaConfig, SimReplica
+from war.sim.sequence import SimSeq
+from war.sim.workload import SimTrajectory, Tokens, Workload
+from war.spec.config import SpecConfig
+from war.types import GenRequest, GenResult, SamplingParams
+
+_STEP_END, _KICK, _ARRIVE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Settings of one simulated run; validated on construction.
+
+    ``policy`` (a name for ``make_policy``, with ``policy_settings``) routes requests
+    to ``num_replicas`` replicas configured by ``replica``; ``spec`` is the suffix
+    speculator's configuration; ``max_tokens`` each request's generation limit (the
+    router counts it in flight; the trace decides the response's real length);
+    ``timeline_s`` the width of the timeline's bins (0: no timeline)."""
+
+    num_replicas: int = 4
+    policy: str = "war"
+    policy_settings: Mapping[str, Any] = field(default_factory=dict)
+    replica: ReplicaConfig = field(default_factory=ReplicaConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    max_tokens: int = 2048
+    share_history: bool = True
+    load_report_interval_s: float = 1.0
+    train_s: float = 0.0
+    timeline_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for f in ("load_report_interval_s", "train_s", "timeline_s"):
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
+        if self.replica.max_spec_tokens > self.spec.max_spec_tokens:
+            raise ValueError("replica.max_spec_tokens exceeds spec.max_spec_tokens")
+
+
+@dataclass
+class _Traj:
+    traj: SimTrajectory
+    turn: int = 0
+    context: Tokens = ()
+    replica: int | None = None
+    records: list[TurnRecord] = field(default_factory=list)
+
+
+class Simulator:
+    """One run over a workload (module docstring). ``policy`` defaults to
+    ``make_policy(config.policy, **config.policy_settings)``; ``make_drafter(i)`` to a
+    ``LiveDrafter`` per replica."""
+
+    def __init__(self, config: SimConfig, cost: CostModel, workload: Workload,
+                 policy: RoutingPolicy | None = None,
+                 make_drafter: Callable[[int], Drafter] | None = None) -> None:
+        self.config, self.cost, self.workload = config, cost, workload
+        self.policy = policy if policy is not None else make_policy(
+            config.policy, **dict(config.policy_settings))
+        rc = config.replica
+        make = make_drafter if make_drafter is not None else (
+            lambda _i: LiveDrafter(config.spec))
+        width = len(str(config.num_replicas - 1))
+        self.replicas = [
+            SimReplica(f"r{i:0{width}d}", rc, cost,
+                       make(i) if rc.spec_mode != "off" else None,
+                       SpecPolicy(SpecPolicyConfig(
+                           mode=rc.spec_mode, max_spec_tokens_per_seq=rc.max_spec_tokens,
+                           prefill_token_value=rc.prefill_token_value)))
+            for i in range(config.num_replicas)]
+        self._index = {r.name: i for i, r in enumerate(self.replicas)}
+        n = config.num_replicas
+        self._requests = [0] * n
+        self._total_requests = 0
+        self._in_flight = [0] * n
+        self._reports: list[tuple[int | None, int | None, int]] = [(None, None, 0)] * n
+        self._views = [self._view(i) for i in range(n)]
+        self._report_time = float("-inf")
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self._kicked = [False] * n
+        self._states: dict[int, _Traj] = {}  # id of a live SimSeq -> its trajectory
+        self._sampling = SamplingParams(temperature=0.0, max_tokens=config.max_tokens,
+                                        logprobs=False)
+        self.result = SimResult([], timeline=Timeline(config.timeline_s)
+                                if config.timeline_s > 0 else None)
+        self.now = 0.0
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> SimResult:
+        """Runs every RL step of the workload; returns the metrics."""
+        for s, trajs in enumerate(self.workload.steps):
+            if s:
+                self._settle()
+                self.now += self.config.train_s
+            for r in self.replicas:
+                if r.drafter is not None:
+                    r.drafter.observe_rl_step(s)
+            m = StepMetrics(s, self.now, trajectories=len(trajs))
+            states = [_Traj(t) for t in trajs]
+            for st in states:
+                self._push(self.now, _ARRIVE, st)
+            self._drain(m, len(states))
+            self._close_step(m, states)
+            self.result.steps.append(m)
+        self.result.preemptions = sum(r.stats.preemptions for r in self.replicas)
+        self.result.replica_steps = sum(r.stats.steps for r in self.replicas)
+        return self.result
+
+    def _settle(self) -> None:
+        """Runs what is left after a step's last trajectory: only wake-ups of replicas
+        that have nothing to do."""
+        while self._events:
+            t, _, kind, payload = heapq.heappop(self._events)
+            assert kind == _KICK, "a step ended with work in flight"
+            self.now = t
+            self._kick(payload)
+            assert not self.replicas[payload].busy
+
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, payload))
+
+    def _drain(self, m: StepMetrics, remaining: int) -> None:
+        while remaining:
+            t, _, kind, payload = heapq.heappop(self._events)
+            assert t >= self.now, "time went backwards"
+            self.now = t
+            if kind == _ARRIVE:
+                self._arrive(payload)
+            elif kind == _KICK:
+                self._kick(payload)
+            else:
+                remaining -= self._step_end(payload, m)
+
+    # ------------------------------------------------------------------ routing
+
+    def _view(self, i: int) -> ReplicaView:
+        free, total, waiting = self._reports[i]
+        return ReplicaView(self.replicas[i].name, True, self._requests[i], self._in_flight[i],
+                           free, total, waiting)
+
+    def _refresh_reports(self) -> None:
+        if self.now - self._report_time < self.config.load_report_interval_s:
+            return
+        self._report_time = self.now
+        for i, r in enumerate(self.replicas):
+            bs = r.kv.block_size
+            self._reports[i] = ((r.kv.num_blocks - r.kv_used_blocks) * bs,
+                                r.kv.num_blocks * bs, len(r.waiting))
+            self._views[i] = self._view(i)
+
+    def _arrive(self, st: _Traj) -> None:
+        traj, now = st.traj, self.now
+        turn = traj.turns[st.turn]
+        prompt = st.context + turn.prompt
+        request = GenRequest(f"{traj.traj_id}/{st.turn}", prompt, self._sampling,
+                             trajectory_id=traj.traj_id, group_id=traj.group_id)
+        self._refresh_reports()
+        decision = self.policy.select(request, self._views, now)
+        i = self._index[decision.replica]
+        if st.replica is not None and st.replica != i:
+            self.result.migrations += 1
+        self.result.policy_migrations += decision.migrated
+        priority = decision.priority if decision.priority is not None else request.priority
+        self._seq += 1
+        seq = SimSeq(request, traj, st.turn, prompt, priority, self._seq)
+        self._states[id(seq)] = st
+        self._requests[i] += 1
+        self._total_requests += 1
+        self._in_flight[i] += len(prompt) + self.config.max_tokens
+        self._views[i] = self._view(i)
+        self.replicas[i].submit(seq)
+        self._wake(i)
+
+    def _wake(self, i: int) -> None:
+        if not self._kicked[i] and not self.replicas[i].busy:
+            self._kicked[i] = True
+            self._push(self.now, _KICK, i)
+
+    def _kick(self, i: int) -> None:
+        self._kicked[i] = False
+        r = self.replicas[i]
+        if not r.busy and r.has_work():
+            self._push(self.now + r.start_step(self.now), _STEP_END, i)
+
+    def _step_end(self, i: int, m: StepMetrics) -> int:
+        r, now = self.replicas[i], self.now
+        done = r.finish_step(now)
+        ended = 0
+        for seq in done:
+            ended += self._complete(i, seq, m)
+        if self.result.timeline is not None:
+            self.result.timeline.record(now, self._total_requests, r.stats.last_drafted,
+                                        r.stats.last_decodes)
+        r.stats.last_drafted = r.stats.last_decodes = 0
+        self._wake(i)
+        return ended
+
+    def _complete(self, i: int, seq: SimSeq, m: StepMetrics) -> int:
+        st, now, req = self._states.pop(id(seq)), self.now, seq.request
+        name = self.replicas[i].name
+        result = GenResult(req.request_id, seq.response, (), "stop", seq.num_prompt,
+                           seq.cached_prompt, seq.passes, seq.drafted, seq.accepted,
+                           seq.preemptions)
+        self._requests[i] -= 1
+        self._total_requests -= 1
+        self._in_flight[i] -= seq.num_prompt + self.config.max_tokens
+        self._views[i] = self._view(i)
+        self.policy.on_complete(req, result, name, now)
+        if self.config.share_history:
+            for j, other in enumerate(self.replicas):
+                if j != i and other.drafter is not None:
+                    other.drafter.share(seq.response, st.traj.group_id)
+        turn = st.traj.turns[st.turn]
+        st.records.append(TurnRecord(len(st.context), len(turn.prompt), len(seq.response),
+                                     seq.passes, seq.drafted, turn.tool_s))
+        m.generated += seq.generated
+        m.passes += seq.passes
+        m.drafted += seq.drafted
+        m.accepted += seq.accepted
+        m.context_sum += seq.context_sum
+        m.prompt_tokens += seq.num_prompt
+        m.cached_tokens += seq.cached_prompt
+        st.context = seq.context + seq.response
+        st.replica = i
+        st.turn += 1
+        if st.turn < len(st.traj.turns):
+            self._push(now + turn.tool_s, _ARRIVE, st)
+            return 0
+        m.finish_times.append(now - m.start)
+        finish = getattr(self.policy, "finish_trajectory", None)
+        if finish is not None:
+            finish(st.traj.traj_id, now)
+        return 1
+
+    # ------------------------------------------------------------------ metrics
+
+    def _close_step(self, m: StepMetrics, states: list[_Traj]) -> None:
+        m.end = self.now
+        rc = self.config.replica
+        r0 = self.replicas[0]
+        kv_tokens = r0.kv.num_blocks * r0.kv.block_size
+        chunk = rc.max_num_batched_tokens
+        prefill = 0
+        firsts: dict[str, list[Tokens]] = {}
+        for st in states:
+            prefill += sum(len(t.prompt) for t in st.traj.turns)
+            firsts.setdefault(st.traj.group_id, []).append(st.traj.turns[0].prompt)
+        for prompts in firsts.values():
+            prefill -= (len(prompts) - 1) * _common_prefix(prompts)
+        m.work_s = work_time(m, prefill, self.cost, kv_tokens, rc.max_num_seqs, chunk,
+                             self.config.num_replicas)
+        m.longest_s = max((sequential_time(st.records, self.cost, chunk) for st in states),
+                          default=0.0)
+
+
+def _common_prefix(prompts: list[Tokens]) -> int:
+    """Length of the longest prefix every prompt shares."""
+    first = prompts[0]
+    n = min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        n = common_prefix_len(first, p, 0, n)
+    return n

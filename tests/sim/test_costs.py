@@ -1,0 +1,96 @@
+"""Cost models: roofline presets against the datasheets, the linear model, and the
+profile fitted to the CPU engine's measured cost curve."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from war.sim.costs import ACCELERATORS, MODELS, LinearCost, RooflineCost
+from war.sim.profile import (
+    CurvePoint,
+    ProfileCost,
+    load_cost_curve,
+    parse_cost_curve,
+    split_by_batch,
+)
+
+CURVE = Path(__file__).resolve().parents[2] / "benchmarks" / "sim" / "data" / "cpu_cost_curve.json"
+
+
+def test_accelerator_presets_are_the_datasheets() -> None:
+    got = {k: (a.peak_flops, a.mem_bandwidth) for k, a in ACCELERATORS.items()}
+    assert got == {"A100": (312e12, 2.0e12), "H100": (989e12, 3.35e12),
+                   "H200": (989e12, 4.8e12)}
+
+
+def test_roofline_is_memory_bound_alone_and_compute_bound_in_bulk() -> None:
+    c = RooflineCost("H100", "llama-8b", compute_efficiency=1.0, memory_efficiency=1.0,
+                     overhead_s=0.0)
+    m = MODELS["llama-8b"]
+    alone = c.step_time(1, 1, 0)
+    assert alone == pytest.approx((m.num_params * 2 + m.kv_bytes_per_token) / 3.35e12)
+    bulk = c.step_time(1, 8192, 0)
+    assert bulk == pytest.approx(2 * m.num_params * 8192 / 989e12, rel=1e-6)
+    # More bandwidth speeds decoding, not a compute-bound prefill.
+    h200 = RooflineCost("H200", "llama-8b", compute_efficiency=1.0, memory_efficiency=1.0,
+                        overhead_s=0.0)
+    assert h200.step_time(1, 1, 0) < alone
+    assert h200.step_time(1, 8192, 0) == pytest.approx(bulk)
+    # Drafts are nearly free while memory-bound.
+    assert c.step_time(8, 8 * 5, 8 * 2000) < 1.05 * c.step_time(8, 8, 8 * 2000)
+
+
+def test_tensor_parallelism_and_memory() -> None:
+    one = RooflineCost("A100", "llama-70b", tp=4)
+    two = RooflineCost("A100", "llama-70b", tp=8)
+    assert two.step_time(1, 1, 1000) < one.step_time(1, 1, 1000)
+    assert two.kv_capacity_tokens() > 2 * one.kv_capacity_tokens()
+    with pytest.raises(ValueError, match="does not fit"):
+        RooflineCost("A100", "llama-70b", tp=1)
+    with pytest.raises(ValueError):
+        RooflineCost("TPU", "llama-8b")
+
+
+def test_linear_cost() -> None:
+    c = LinearCost(0.01, 1e-4, 1e-7, 1e-3, kv_tokens=1000)
+    assert c.step_time(2, 10, 100) == pytest.approx(0.01 + 1e-3 + 1e-5 + 2e-3)
+    assert c.kv_capacity_tokens() == 1000
+    with pytest.raises(ValueError):
+        LinearCost(0.0)
+
+
+def test_profile_recovers_an_exact_model() -> None:
+    truth = ProfileCost((0.002, 1e-5, 2e-7, 3e-4, 1e-9))
+    pts = [CurvePoint(b, k, c, 1e3 * truth.step_time(*CurvePoint(b, k, c, 1.0).shape()))
+           for b in (1, 4, 16, 64) for k in (0, 4, 16) for c in (128, 512)]
+    fit = ProfileCost.fit(pts)
+    assert max(fit.errors(pts)) < 1e-6
+
+
+def test_profile_predicts_held_out_shapes_of_the_cpu_engine() -> None:
+    """Real data: the CPU engine's forward pass (``measure_cost_curve``, the function
+    ``bench_load.py`` uses), measured once on this project's benchmark model shape and
+    checked in. Fitted on batch sizes 1, 4, 16, 64 it predicts 2, 8, 32."""
+    points = load_cost_curve(CURVE)
+    fit, held = split_by_batch(points)
+    assert {p.batch for p in fit} == {1, 4, 16, 64} and {p.batch for p in held} == {2, 8, 32}
+    errors = ProfileCost.fit(fit).errors(held)
+    assert statistics.mean(errors) <= 0.15
+    assert statistics.median(errors) <= 0.15
+
+
+def test_bench_load_report_format() -> None:
+    report = {"config": {"cost_context": 320},
+              "cost_curve": [{"batch": 1, "draft_tokens": 0, "step_ms": 8.0},
+                             {"batch": 4, "draft_tokens": 4, "step_ms": 12.0}]}
+    pts = parse_cost_curve(report)
+    assert [p.context for p in pts] == [320, 320]
+    assert pts[1].shape() == (4, 20, 4 * 325, 16)
+    with pytest.raises(ValueError):
+        parse_cost_curve({"cost_curve": []})
+    data = json.loads(CURVE.read_text())
+    assert all("context" in r for r in data["cost_curve"])

@@ -1,0 +1,169 @@
+"""The simulator on scenarios with known answers, determinism and virtual time."""
+
+from __future__ import annotations
+
+import pytest
+from sim_helpers import ClockGuard, FixedPolicy, trajectory, workload
+
+from war.router.policies import make_policy
+from war.sim.costs import CostModel, LinearCost
+from war.sim.replica import ReplicaConfig
+from war.sim.simulator import SimConfig, Simulator
+from war.sim.workload import SimTrajectory, SimTurn, Workload
+
+A, B, C = 0.01, 0.001, 0.0  # intercept, per batch token, per context token
+
+
+def run(wl: Workload, replicas: int = 1, policy: str = "round_robin", mode: str = "off",
+        cost: CostModel | None = None, guard: bool = False, **replica: int) -> Simulator:
+    cfg = SimConfig(num_replicas=replicas, policy=policy,
+                    replica=ReplicaConfig(spec_mode=mode, num_kv_blocks=replica.pop(
+                        "num_kv_blocks", 4096), **replica))
+    pol = make_policy(policy)
+    sim = Simulator(cfg, cost or LinearCost(A, B, C), wl, ClockGuard(pol) if guard else pol)
+    sim.run()
+    return sim
+
+
+def test_single_replica_single_turn_linear_cost() -> None:
+    # One prefill step of 100 tokens (it samples the first token), then 19 decode steps.
+    sim = run(workload(trajectory("t", 100, [20])))
+    m = sim.result.steps[0]
+    assert m.makespan == pytest.approx((A + B * 100) + 19 * (A + B * 1))
+    assert (m.generated, m.passes) == (20, 20)
+
+
+def test_context_cost_and_tool_latency_add_up() -> None:
+    cost = LinearCost(A, B, 1e-6)
+    sim = run(workload(trajectory("t", 64, [10, 4], tool_s=2.5)), cost=cost)
+    # turn 1: prefill 64 (context 64), decodes read 65..73; after 2.5 s of tool, turn 2's
+    # prompt (64 + 10 + 5 = 79 tokens) hits the cached 64 (whole blocks of 16; at most
+    # 78 tokens), prefills 15 (context 79), then decodes read 80..82.
+    t1 = (A + B * 64 + 1e-6 * 64) + sum(A + B + 1e-6 * c for c in range(65, 74))
+    t2 = (A + B * 15 + 1e-6 * 79) + sum(A + B + 1e-6 * c for c in range(80, 83))
+    m = sim.result.steps[0]
+    assert m.makespan == pytest.approx(t1 + 2.5 + t2)
+    assert (m.prompt_tokens, m.cached_tokens) == (64 + 79, 64)
+
+
+def test_two_replicas_balanced_versus_all_on_one() -> None:
+    trajs = [trajectory(f"t{i}", 32, [10], base=1000 * i) for i in range(4)]
+    balanced = run(workload(*trajs), replicas=2).result.steps[0]
+    assert balanced.makespan == pytest.approx((A + B * 64) + 9 * (A + B * 2))
+    cfg = SimConfig(num_replicas=2, replica=ReplicaConfig(spec_mode="off", num_kv_blocks=4096))
+    skewed = Simulator(cfg, LinearCost(A, B, C), workload(*trajs), FixedPolicy("r0"))
+    m = skewed.run().steps[0]
+    assert m.makespan == pytest.approx((A + B * 128) + 9 * (A + B * 4))
+    assert balanced.lower_bound < m.makespan  # the bound does not depend on placement
+    assert balanced.makespan / balanced.lower_bound <= m.makespan / m.lower_bound
+
+
+def test_round_robin_moves_turns_and_cache_aware_keeps_them() -> None:
+    trajs = [trajectory(f"t{i}", 64, [8, 8, 8], tool_s=0.1, base=1000 * i) for i in range(3)]
+    rr = run(workload(*trajs), replicas=2, policy="round_robin").result
+    ca = run(workload(*trajs), replicas=2, policy="cache_aware").result
+    assert rr.migrations > 0 and ca.migrations == 0
+    assert ca.summary()["prefix_hit_rate"] > rr.summary()["prefix_hit_rate"]
+
+
+def test_same_inputs_same_result() -> None:
+    trajs = [trajectory(f"t{i}", 48, [30, 12, 40], tool_s=0.3 * i, group="g", base=0)
+             for i in range(4)]
+    a = run(workload(*trajs), replicas=2, policy="war", mode="auto").result.summary()
+    b = run(workload(*trajs), replicas=2, policy="war", mode="auto").result.summary()
+    assert a == b
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_load", "cache_aware", "war"])
+def test_policies_see_only_monotone_virtual_time(policy: str) -> None:
+    trajs = [trajectory(f"t{i}", 40, [12, 7, 9], tool_s=0.05 * (i + 1), base=100 * i)
+             for i in range(6)]
+    sim = run(workload(*trajs), replicas=3, policy=policy, mode="auto", guard=True)
+    guard = sim.policy
+    assert isinstance(guard, ClockGuard)
+    assert len(guard.times) >= 2 * 18  # a select and an on_complete per turn
+    assert guard.times[-1] == pytest.approx(sim.result.steps[0].end)
+
+
+def _echo(tid: str, base: int, n: int = 150) -> SimTrajectory:
+    """A one-turn trajectory whose response repeats its prompt: drafts from the
+    trajectory itself are accepted."""
+    prompt = tuple(range(base, base + 200))
+    return SimTrajectory(tid, tid, 0, (SimTurn(prompt, prompt[:n], 0.0),), tid)
+
+
+def test_speculation_accepts_repeated_text() -> None:
+    off = run(workload(_echo("t", 0)), mode="off").result.summary()
+    always = run(workload(_echo("t", 0)), mode="always").result.summary()
+    assert off["tokens_per_step"] == 1.0
+    assert always["tokens_per_step"] > 1.3 and always["acceptance_rate"] > 0.8
+    assert always["makespan_s"] < off["makespan_s"]
+
+
+def test_auto_budget_shrinks_under_load() -> None:
+    # 1 ms per token after a 1 ms step: alone, a draft token (accepted ~90%) is cheaper
+    # per generated token than a step; with 96 sequences the step's own tokens are.
+    cost = LinearCost(0.001, 0.001)
+    alone = run(workload(_echo("t", 0)), mode="auto", cost=cost).result.summary()
+    many = [run(workload(*[_echo(f"t{i}", 1000 * i) for i in range(96)]), mode=mode,
+                cost=cost, max_num_seqs=96).result.summary() for mode in ("auto", "always")]
+    assert alone["spec_tokens_per_pass"] > 5
+    assert many[0]["spec_tokens_per_pass"] < 0.2 * alone["spec_tokens_per_pass"]
+    assert many[0]["throughput"] > many[1]["throughput"]
+
+
+def test_kv_pressure_preempts_and_still_completes() -> None:
+    trajs = [trajectory(f"t{i}", 100, [150], base=1000 * i) for i in range(6)]
+    sim = run(workload(*trajs), num_kv_blocks=40, block_size=16)
+    assert sim.result.preemptions > 0
+    assert sim.result.steps[0].generated == 6 * 150
+    r = sim.replicas[0]
+    assert r.kv.private_blocks == 0 and r.kv.locked_blocks == 0
+
+
+def test_a_request_larger_than_the_kv_is_refused() -> None:
+    with pytest.raises(ValueError, match="exceed"):
+        run(workload(trajectory("t", 500, [100])), num_kv_blocks=10, block_size=16)
+
+
+def test_rl_steps_run_one_after_another() -> None:
+    t0 = trajectory("a", 32, [10])
+    t1 = trajectory("b", 32, [10], base=500, rl_step=1)
+    wl = Workload("two", ((t0,), (t1,)))
+    cfg = SimConfig(num_replicas=1, train_s=5.0,
+                    replica=ReplicaConfig(spec_mode="off", num_kv_blocks=4096))
+    res = Simulator(cfg, LinearCost(A, B, C), wl).run()
+    assert res.steps[1].start == pytest.approx(res.steps[0].end + 5.0)
+    assert res.steps[1].makespan == pytest.approx(res.steps[0].makespan)
+
+
+def test_coalesced_steps_change_nothing_for_a_lone_sequence() -> None:
+    t = trajectory("t", 300, [40, 25, 60], tool_s=0.7)
+    wl = workload(_echo("e", 5000), t)
+
+    def summary(coalesce: int) -> dict[str, object]:
+        cfg = SimConfig(num_replicas=2, policy="round_robin", replica=ReplicaConfig(
+            spec_mode="auto", num_kv_blocks=4096, max_coalesced_steps=coalesce))
+        out = Simulator(cfg, LinearCost(A, B, 1e-7), wl).run().summary()
+        out.pop("steps")
+        return out
+
+    exact, coalesced = summary(1), summary(64)
+    assert coalesced == pytest.approx(exact, rel=1e-12)
+
+
+def test_cached_drafts_from_a_replay() -> None:
+    from war import data
+    from war.sim.acceptance import record_acceptance
+    from war.sim.drafter import CachedDrafter
+    from war.sim.workload import TraceSet, build_trace_steps
+
+    wl = build_trace_steps(TraceSet.load([data.resource(data.SAMPLE_TRACES)]), 2, 1)
+    table = record_acceptance([t for s in wl.steps for t in s], SimConfig().spec)
+    cfg = SimConfig(num_replicas=2, policy="war",
+                    replica=ReplicaConfig(spec_mode="always", num_kv_blocks=8192))
+    res = Simulator(cfg, LinearCost(A, B, C), wl,
+                    make_drafter=lambda _i: CachedDrafter(table)).run().summary()
+    rate = table.summary()["acceptance_rate"]
+    assert res["tokens_per_step"] > 1.5
+    assert abs(res["acceptance_rate"] - rate) < 0.1  # whole drafts: the table's own rate

@@ -1,0 +1,211 @@
+"""The built-in policy: demonstrations as the agent loop renders them, the tokenizer, a tiny
+training run, and the shipped folder (loads, agrees with its tokenizer, answers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from war.data import policy_path
+from war.engine.config import EngineConfig
+from war.engine.engine import Engine
+from war.engine.loader import load_model
+from war.rollout.agent import PolicyIO
+from war.rollout.chat import IM_END, HermesTemplate, encode_segment
+from war.rollout.envs import make, sample_tasks
+from war.rollout.toolcalls import parse_tool_calls
+from war.train.policy import (
+    BUILTIN_ENVS,
+    Episode,
+    PolicyTrainConfig,
+    build_demonstrations,
+    build_stream,
+    episode_segments,
+    evaluate_policy,
+    tokenize_episode,
+    train_policy,
+    train_policy_tokenizer,
+)
+from war.train.tokenizer import ENDOFTEXT
+from war.types import GenRequest, SamplingParams
+
+TINY = PolicyTrainConfig(
+    seed=3, tasks_per_env=6, vocab_size=1500, min_frequency=2, hidden_size=32, num_layers=1,
+    num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=512, steps=3,
+    seq_len=256, batch_size=2, warmup_steps=1, threads=1, log_every=1,
+)
+
+
+@pytest.fixture(scope="module")
+def episodes() -> list[Episode]:
+    return build_demonstrations(TINY)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(episodes: list[Episode]) -> Tokenizer:
+    return train_policy_tokenizer((e.text for e in episodes), TINY.tokenizer_config())
+
+
+def test_demonstrations_cover_every_env_and_render_like_the_template(
+        episodes: list[Episode]) -> None:
+    assert sorted({e.env for e in episodes}) == sorted(BUILTIN_ENVS)
+    assert len(episodes) == 6 * len(BUILTIN_ENVS)  # the experts solve every task
+    template = HermesTemplate()
+    for ep in episodes:
+        # the rollout stops after the last <|im_end|>; the template then closes with "\n"
+        assert ep.text + "\n" == template.render(list(ep.messages), list(ep.tools))
+        assert ep.segments[0].text == template.render_prompt(list(ep.messages[:2]),
+                                                             list(ep.tools))
+        assistants = [m["content"] + IM_END for m in ep.messages if m["role"] == "assistant"]
+        assert [s.text for s in ep.segments if s.sampled] == assistants
+        assert not ep.segments[-1].text.endswith("\n") and ep.segments[-1].sampled
+
+
+def test_same_seed_same_demonstrations(episodes: list[Episode]) -> None:
+    again = build_demonstrations(TINY)
+    assert [e.text for e in again] == [e.text for e in episodes]
+    other = build_demonstrations(dataclasses.replace(TINY, seed=4))
+    assert [e.text for e in other] != [e.text for e in episodes]
+
+
+def test_episode_segments_follow_the_agent_loop() -> None:
+    env = make("sqlite")
+    task = next(t for t in sample_tasks("sqlite", 5, 0) if t.data["kind"] == "orders_in_year")
+    from war.rollout.envs import demonstration
+
+    messages = demonstration(env, task)
+    env.close()
+    tools = [s.to_openai() for s in env.tools()]
+    segs = episode_segments(messages, tools)
+    template = HermesTemplate()
+    assert [s.sampled for s in segs] == [False, True, False, True, False, True]
+    assert segs[2].text == template.render_continuation(messages[:3], messages[3:4], tools)
+    with pytest.raises(ValueError, match="end with"):
+        episode_segments(messages[:-1], tools)
+
+
+def test_tokenized_segments_decode_to_the_render_and_mask_the_assistant(
+        episodes: list[Episode], tokenizer: Tokenizer) -> None:
+    im_end = tokenizer.token_to_id(IM_END)
+    for ep in episodes:
+        ids, mask = tokenize_episode(tokenizer, ep)
+        assert len(ids) == len(mask)
+        assert tokenizer.decode(ids, skip_special_tokens=False) == ep.text
+        assert ids == [i for s in ep.segments for i in encode_segment(tokenizer, s.text)]
+        # mask 1 exactly on the assistant turns, each ending with its <|im_end|>
+        learned = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m],
+                                   skip_special_tokens=False)
+        assert learned == "".join(s.text for s in ep.segments if s.sampled)
+        turns = sum(m["role"] == "assistant" for m in ep.messages)
+        assert sum(1 for i, m in zip(ids, mask, strict=True) if m and i == im_end) == turns
+        assert sum(1 for i, m in zip(ids, mask, strict=True) if not m and i == im_end) > 0
+        assert mask[-1] == 1 and ids[-1] == im_end
+
+
+def test_tokenizer_spells_numbers_by_digit_and_keeps_specials_whole(tokenizer: Tokenizer) -> None:
+    ids = encode_segment(tokenizer, "The answer is 391.<|im_end|>")
+    pieces = [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    assert pieces[-5:] == ["3", "9", "1", ".", IM_END]
+    for text in ("never seen: \u03b6 \U0001d518 \t\r\n", "x = 'a?b.c'\n\n42"):
+        assert tokenizer.decode(encode_segment(tokenizer, text)) == text
+
+
+def test_stream_separates_episodes(episodes: list[Episode], tokenizer: Tokenizer) -> None:
+    stream = build_stream(tokenizer, episodes)
+    eot = tokenizer.token_to_id(ENDOFTEXT)
+    assert len(stream.tokens) == len(stream.loss_mask) == int(stream.episode_lengths.sum()) + \
+        len(episodes)
+    ends = stream.episode_starts + stream.episode_lengths
+    assert np.all(stream.tokens[ends] == eot) and np.all(stream.loss_mask[ends] == 0)
+    assert int((stream.tokens == eot).sum()) == len(episodes)
+    starts = stream.window_starts(128)
+    assert set(starts) <= set(stream.episode_starts) and starts.max() + 129 <= len(stream.tokens)
+    with pytest.raises(ValueError, match="too short"):
+        stream.window_starts(len(stream.tokens))
+
+
+def test_tiny_training_run_saves_a_loadable_folder(tmp_path: Path) -> None:
+    out = tmp_path / "policy"
+    lines: list[str] = []
+    summary = train_policy(TINY, out, log=lines.append)
+    assert summary.train.steps == 3 and len(lines) == 3
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors",
+                                              "tokenizer.json", "tokenizer_config.json"}
+    model = load_model(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert model.config.vocab_size == tok.get_vocab_size() == summary.vocab_size
+    assert model.config.eos_token_id == (tok.token_to_id(IM_END),)
+    assert model.config.tie_word_embeddings and model.config.model_type == "llama"
+    meta = json.loads((out / "tokenizer_config.json").read_text())
+    assert meta["eos_token"] == IM_END and "chat_template" not in meta
+    io = PolicyIO.from_folder(out)
+    assert isinstance(io.template, HermesTemplate)
+    assert io.stop_token_ids == (tok.token_to_id(IM_END),)
+    assert json.dumps(summary.to_dict())  # JSON-serializable
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="tasks_per_env"):
+        PolicyTrainConfig(tasks_per_env=0)
+    with pytest.raises(ValueError, match="heads"):
+        PolicyTrainConfig(hidden_size=100, num_heads=3)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        PolicyTrainConfig(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        PolicyTrainConfig(seq_len=512, max_position_embeddings=512)
+    with pytest.raises(ValueError, match="envs"):
+        PolicyTrainConfig(envs=())
+    with pytest.raises(ValueError, match="vocab_size"):
+        PolicyTrainConfig(vocab_size=100)
+
+
+# ------------------------------------------------------------------ the shipped policy
+
+
+def test_shipped_policy_loads_and_agrees_with_its_tokenizer() -> None:
+    folder = policy_path()
+    files = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "README.md"} <= set(files)
+    assert sum(files.values()) <= 20 * 1024 * 1024
+    engine = Engine.from_pretrained(folder, EngineConfig(kv_cache_bytes=8 * 1024 * 1024))
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    config = engine.model_config
+    assert config.vocab_size == tok.get_vocab_size()
+    assert config.eos_token_id == (tok.token_to_id(IM_END),)
+    meta = json.loads((folder / "tokenizer_config.json").read_text())
+    assert meta["eos_token"] == IM_END and "chat_template" not in meta
+    io = PolicyIO.from_folder(folder)
+    assert isinstance(io.template, HermesTemplate) and io.stop_token_ids == config.eos_token_id
+
+
+def test_shipped_policy_calls_the_right_tool() -> None:
+    folder = policy_path()
+    io = PolicyIO.from_folder(folder)
+    engine = Engine.from_pretrained(folder, EngineConfig(kv_cache_bytes=8 * 1024 * 1024,
+                                                         spec_mode="off"))
+    task = sample_tasks("calculator", 1, seed=12345)[0]
+    env = make("calculator")
+    messages = [{"role": "system", "content": env.system_prompt()},
+                {"role": "user", "content": env.reset(task)}]
+    tools = [s.to_openai() for s in env.tools()]
+    prompt = io.encode(io.template.render_prompt(messages, tools))
+    sampling = SamplingParams(temperature=0.0, max_tokens=96, stop_token_ids=io.stop_token_ids)
+    result = engine.generate([GenRequest("r0", tuple(prompt), sampling)])[0]
+    assert result.output_ids[-1] in io.stop_token_ids
+    calls = parse_tool_calls(io.decode(result.output_ids)).calls
+    assert [c.name for c in calls] == ["calculate" if task.data["kind"] != "convert"
+                                       else "convert"]
+    env.close()
+
+
+@pytest.mark.slow
+def test_shipped_policy_solves_held_out_tasks() -> None:
+    result = evaluate_policy(policy_path(), tasks_per_env=6, seed=777, threads=2)
+    assert set(result.success_by_env) == set(BUILTIN_ENVS)
+    assert result.overall >= 0.5
