@@ -167,3 +167,28 @@ def test_cached_drafts_from_a_replay() -> None:
     rate = table.summary()["acceptance_rate"]
     assert res["tokens_per_step"] > 1.5
     assert abs(res["acceptance_rate"] - rate) < 0.1  # whole drafts: the table's own rate
+
+
+@pytest.mark.parametrize("mode", ["auto", "always", "off"])
+def test_lone_sequence_fast_path_matches_the_planner(mode: str) -> None:
+    from war import data
+    from war.sim.acceptance import record_acceptance
+    from war.sim.drafter import CachedDrafter
+    from war.sim.workload import TraceSet, build_trace_steps
+
+    wl = build_trace_steps(TraceSet.load([data.resource(data.SAMPLE_TRACES)]), 2, 1)
+    table = record_acceptance([t for s in wl.steps for t in s], SimConfig().spec)
+
+    def summary(coalesce: int) -> dict[str, object]:
+        # one trajectory per replica, sticky: nothing arrives while a replica is busy
+        cfg = SimConfig(num_replicas=8, policy="least_load", replica=ReplicaConfig(
+            spec_mode=mode, num_kv_blocks=8192, spec_interval=4,
+            max_coalesced_steps=coalesce))
+        sim = Simulator(cfg, LinearCost(A, B, 1e-7), wl,
+                        make_drafter=lambda _i: CachedDrafter(table))
+        out = sim.run().summary()
+        out.pop("steps")
+        return out
+
+    exact, fast = summary(1), summary(1000)
+    assert fast == pytest.approx(exact, rel=1e-9)

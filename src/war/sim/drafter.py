@@ -38,9 +38,13 @@ class Drafter(Protocol):
         """A turn starts on this replica (its context is ``seq.context``)."""
         ...
 
-    def propose(self, seqs: Sequence[SimSeq], rooms: Sequence[int]) -> list[FloatArray]:
-        """Each sequence's draft as path probabilities in index order, at most
-        ``rooms[i]`` tokens."""
+    def propose(self, seqs: Sequence[SimSeq], rooms: Sequence[int]) -> list[int]:
+        """Drafts for the sequences; returns each one's length (at most ``rooms[i]``)."""
+        ...
+
+    def probs(self, i: int) -> FloatArray:
+        """Sequence ``i``'s draft of the last ``propose``: its path probabilities in
+        index order (as many as its length)."""
         ...
 
     def verify(self, i: int, k: int) -> int:
@@ -92,19 +96,25 @@ class LiveDrafter:
         self._last: BatchDrafts | None = None
         self._seqs: Sequence[SimSeq] = ()
         self._path: list[int] = []
+        self._off: list[int] = []
+        self._lens: list[int] = []
 
     def begin(self, seq: SimSeq) -> None:
         seq.spec_id = self.drafts.begin(seq.context, seq.traj.traj_id, seq.traj.group_id)
 
-    def propose(self, seqs: Sequence[SimSeq], rooms: Sequence[int]) -> list[FloatArray]:
+    def propose(self, seqs: Sequence[SimSeq], rooms: Sequence[int]) -> list[int]:
         sids = [s.spec_id for s in seqs]
         assert all(s is not None for s in sids), "propose before begin"
         out = self.drafts.propose([int(s) for s in sids if s is not None], self.max_spec_tokens)
         self._last, self._seqs = out, seqs
-        off = out.offsets.tolist()
-        probs = out.probs.astype(np.float64, copy=False)
-        return [probs[off[i]:off[i] + max(0, min(off[i + 1] - off[i], rooms[i]))]
-                for i in range(len(seqs))]
+        off = self._off = out.offsets.tolist()
+        self._lens = [max(0, min(off[i + 1] - off[i], rooms[i])) for i in range(len(seqs))]
+        return self._lens
+
+    def probs(self, i: int) -> FloatArray:
+        assert self._last is not None
+        a = self._off[i]
+        return self._last.probs[a:a + self._lens[i]].astype(np.float64)
 
     def verify(self, i: int, k: int) -> int:
         out, seq = self._last, self._seqs[i]
@@ -140,29 +150,38 @@ class CachedDrafter:
 
     def __init__(self, table: AcceptanceTable) -> None:
         self.table = table
+        self._seqs: Sequence[SimSeq] = ()
         self._acc: list[int] = []
+        self._lens: list[int] = []
         self._n = 0
 
     def begin(self, seq: SimSeq) -> None:
         seq.spec_id = 0
         seq.draft = self.table.turn(seq.traj.source, seq.turn)
 
-    def propose(self, seqs: Sequence[SimSeq], rooms: Sequence[int]) -> list[FloatArray]:
-        out = []
+    def propose(self, seqs: Sequence[SimSeq], rooms: Sequence[int]) -> list[int]:
+        lens: list[int] = []
         accs: list[int] = []
         for s, room in zip(seqs, rooms, strict=True):
-            t = s.draft
-            assert isinstance(t, RecordedTurn), "propose before begin"
+            t: RecordedTurn = s.draft  # type: ignore[assignment]  # set by begin
             p = s.generated
             if p < len(t.accepted):
-                a = t.offsets[p]
-                out.append(t.probs[a:min(t.offsets[p + 1], a + max(room, 0))])
+                n = t.offsets[p + 1] - t.offsets[p]
+                lens.append(n if n <= room else max(room, 0))
                 accs.append(t.accepted[p])
             else:
-                out.append(t.probs[:0])
+                lens.append(0)
                 accs.append(0)
-        self._acc = accs
-        return out
+        self._seqs, self._lens, self._acc = seqs, lens, accs
+        return lens
+
+    def probs(self, i: int) -> FloatArray:
+        s = self._seqs[i]
+        t: RecordedTurn = s.draft  # type: ignore[assignment]
+        if not self._lens[i]:
+            return t.probs[:0]
+        a = t.offsets[s.generated]
+        return t.probs[a:a + self._lens[i]]
 
     def verify(self, i: int, k: int) -> int:
         self._n = min(self._acc[i], k)  # chains: a prefix

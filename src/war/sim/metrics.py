@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from war.sim.costs import CostModel
+from war.sim.kvcache import common_prefix_len
+from war.sim.workload import SimTrajectory, Tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +108,22 @@ def replica_capacity(cost: CostModel, tau: float, k: int, context: float, kv_tok
             break
         b *= 2
     return best
+
+
+def min_prefill_tokens(trajs: Sequence[SimTrajectory]) -> int:
+    """Prompt tokens of ``trajs`` less what each group's samples share of their first
+    prompt (computed once per group at best)."""
+    total = 0
+    firsts: dict[str, list[Tokens]] = {}
+    for t in trajs:
+        total += sum(len(u.prompt) for u in t.turns)
+        firsts.setdefault(t.group_id, []).append(t.turns[0].prompt)
+    for prompts in firsts.values():
+        first, n = prompts[0], min(len(p) for p in prompts)
+        for p in prompts[1:]:
+            n = common_prefix_len(first, p, 0, n)
+        total -= (len(prompts) - 1) * n
+    return total
 
 
 def work_time(m: StepMetrics, prefill_tokens: int, cost: CostModel, kv_tokens: int,

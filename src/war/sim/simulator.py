@@ -22,13 +22,13 @@ from war.engine.spec_policy import SpecPolicy, SpecPolicyConfig
 from war.router.policies import make_policy
 from war.router.policies.base import ReplicaView, RoutingPolicy
 from war.sim.costs import CostModel
-from war.sim.drafter import Drafter, LiveDrafter
-from war.sim.kvcache import common_prefix_len
+from war.sim.drafter import CachedDrafter, Drafter, LiveDrafter
 from war.sim.metrics import (
     SimResult,
     StepMetrics,
     Timeline,
     TurnRecord,
+    min_prefill_tokens,
     sequential_time,
     work_time,
 )
@@ -106,6 +106,8 @@ class Simulator:
                            prefill_token_value=rc.prefill_token_value)))
             for i in range(config.num_replicas)]
         self._index = {r.name: i for i, r in enumerate(self.replicas)}
+        self._sharing = [(i, r.drafter) for i, r in enumerate(self.replicas)  # use history
+                         if r.drafter is not None and not isinstance(r.drafter, CachedDrafter)]
         n = config.num_replicas
         self._requests = [0] * n
         self._total_requests = 0
@@ -247,9 +249,9 @@ class Simulator:
         self._views[i] = self._view(i)
         self.policy.on_complete(req, result, name, now)
         if self.config.share_history:
-            for j, other in enumerate(self.replicas):
-                if j != i and other.drafter is not None:
-                    other.drafter.share(seq.response, st.traj.group_id)
+            for j, drafter in self._sharing:
+                if j != i:
+                    drafter.share(seq.response, st.traj.group_id)
         turn = st.traj.turns[st.turn]
         st.records.append(TurnRecord(len(st.context), len(turn.prompt), len(seq.response),
                                      seq.passes, seq.drafted, turn.tool_s))
@@ -278,25 +280,9 @@ class Simulator:
         m.end = self.now
         rc = self.config.replica
         r0 = self.replicas[0]
-        kv_tokens = r0.kv.num_blocks * r0.kv.block_size
         chunk = rc.max_num_batched_tokens
-        prefill = 0
-        firsts: dict[str, list[Tokens]] = {}
-        for st in states:
-            prefill += sum(len(t.prompt) for t in st.traj.turns)
-            firsts.setdefault(st.traj.group_id, []).append(st.traj.turns[0].prompt)
-        for prompts in firsts.values():
-            prefill -= (len(prompts) - 1) * _common_prefix(prompts)
-        m.work_s = work_time(m, prefill, self.cost, kv_tokens, rc.max_num_seqs, chunk,
-                             self.config.num_replicas)
+        prefill = min_prefill_tokens([st.traj for st in states])
+        m.work_s = work_time(m, prefill, self.cost, r0.kv.num_blocks * r0.kv.block_size,
+                             rc.max_num_seqs, chunk, self.config.num_replicas)
         m.longest_s = max((sequential_time(st.records, self.cost, chunk) for st in states),
                           default=0.0)
-
-
-def _common_prefix(prompts: list[Tokens]) -> int:
-    """Length of the longest prefix every prompt shares."""
-    first = prompts[0]
-    n = min(len(p) for p in prompts)
-    for p in prompts[1:]:
-        n = common_prefix_len(first, p, 0, n)
-    return n

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from war.engine.spec_policy import SpecPolicy
-from war.sim.drafter import Drafter
+from war.sim.drafter import Drafter, FloatArray
 from war.sim.kvcache import PrefixKV
 from war.sim.sequence import SimSeq
 
@@ -46,25 +46,26 @@ class Speculation:
         drafter = self.drafter
         if drafter is None or n == 0:
             return [0] * n, [0] * n
-        probs = drafter.propose(decodes, [s.request.sampling.max_tokens - s.generated - 1
-                                          for s in decodes])
+        lens = drafter.propose(decodes, [s.request.sampling.max_tokens - s.generated - 1
+                                         for s in decodes])
+        probs: list[FloatArray] = []
         if self.mode == "always":
-            counts = [self.cap] * n
+            counts = lens
         else:
             counts = [s.budget for s in decodes]
             self._since += 1
             if self._since >= self.interval or min(counts) < 0:
                 self.decided, self._since = True, 0
+                probs = [drafter.probs(i) for i in range(n)]
                 counts = self.policy.choose(probs, base, context).tolist()
                 for s, k in zip(decodes, counts, strict=True):
                     s.budget = k
-        bs = kv.block_size
+        cap, bs = self.cap, kv.block_size
         ks: list[int] = []
         accs: list[int] = []
         seen_p, seen_a = [], []
         for i, seq in enumerate(decodes):
-            p = probs[i]
-            k = min(counts[i], len(p), room)
+            k = min(counts[i], lens[i], cap, room)
             if k > 0:
                 ntok = seq.nprompt + seq.generated
                 need = -(-(ntok + k) // bs) - seq.cached // bs - seq.private
@@ -79,7 +80,7 @@ class Speculation:
                 if self.decided:
                     mask = np.zeros(k, dtype=bool)
                     mask[list(drafter.last_path)] = True
-                    seen_p.append(p[:k])
+                    seen_p.append(probs[i][:k])
                     seen_a.append(mask)
                 ks.append(k)
                 accs.append(a)
