@@ -66,6 +66,21 @@ def test_round_robin_moves_turns_and_cache_aware_keeps_them() -> None:
     assert ca.summary()["prefix_hit_rate"] > rr.summary()["prefix_hit_rate"]
 
 
+def test_same_seed_same_result_on_traces() -> None:
+    from war import data
+    from war.sim.workload import LatencyModel, TraceSet, build_trace_steps
+
+    traces = TraceSet.load([data.resource(data.SAMPLE_TRACES)])
+
+    def summary(seed: int) -> dict[str, object]:
+        wl = build_trace_steps(traces, 2, 1, latency=LatencyModel(seed=seed), seed=seed)
+        return run(wl, replicas=2, policy="war", mode="auto").result.summary()
+
+    first = summary(3)
+    assert summary(3) == first
+    assert summary(4) != first
+
+
 def test_same_inputs_same_result() -> None:
     trajs = [trajectory(f"t{i}", 48, [30, 12, 40], tool_s=0.3 * i, group="g", base=0)
              for i in range(4)]
