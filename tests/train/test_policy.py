@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from war.cli.main import main
 from war.data import policy_path
 from war.engine.config import EngineConfig
 from war.engine.engine import Engine
@@ -147,6 +148,24 @@ def test_tiny_training_run_saves_a_loadable_folder(tmp_path: Path) -> None:
     assert isinstance(io.template, HermesTemplate)
     assert io.stop_token_ids == (tok.token_to_id(IM_END),)
     assert json.dumps(summary.to_dict())  # JSON-serializable
+
+
+def test_episodes_longer_than_the_window_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="longer than seq_len"):
+        train_policy(dataclasses.replace(TINY, seq_len=32), tmp_path / "policy")
+
+
+def test_the_command_trains_saves_and_evaluates(tmp_path: Path) -> None:
+    out, report = tmp_path / "policy", tmp_path / "report.json"
+    status = main(["train-policy", "--out", str(out), "--steps", "2", "--tasks-per-env", "40",
+                   "--eval-tasks", "1", "--json", str(report)])
+    assert status == 0
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    data = json.loads(report.read_text())
+    assert data["train"]["train"]["steps"] == 2 and data["train"]["threads"] == 1
+    assert set(data["eval"]["success_by_env"]) == set(BUILTIN_ENVS)
+    assert data["eval"]["seed"] == 1000 and data["eval"]["temperature"] == 0.7
+    assert main(["train-policy", "--out", str(out), "--eval-seed", "0"]) == 1
 
 
 def test_config_is_validated() -> None:

@@ -36,7 +36,7 @@ def add_train_policy_command(commands: Subparsers) -> None:
     p.add_argument("--tasks-per-env", type=int, default=None,
                    help="demonstrations per environment")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (the weights depend on it; default: 2)")
+                   help="torch CPU threads of training (the weights depend on it; default: 1)")
     p.add_argument("--eval-tasks", type=int, default=100, metavar="N",
                    help="held-out tasks per environment to evaluate on (0: skip)")
     p.add_argument("--eval-seed", type=int, default=None,

@@ -84,22 +84,22 @@ class PolicyTrainConfig:
     tasks_per_env: int = 3000
     vocab_size: int = 2048
     min_frequency: int = 20
-    hidden_size: int = 256
+    hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 4
-    intermediate_size: int = 768
+    intermediate_size: int = 384
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
-    steps: int = 1000
-    seq_len: int = 384
-    batch_size: int = 16
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
+    steps: int = 3000
+    seq_len: int = 256
+    batch_size: int = 8
+    lr: float = 5e-3
+    min_lr_ratio: float = 0.2
+    warmup_steps: int = 30
     weight_decay: float = 0.1
-    threads: int | None = 2
-    log_every: int = 25
+    threads: int | None = 1
+    log_every: int = 50
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -403,6 +403,11 @@ def train_policy(config: PolicyTrainConfig, out_dir: str | os.PathLike[str],
     tok_config = config.tokenizer_config()
     tokenizer = train_policy_tokenizer((ep.text for ep in episodes), tok_config)
     stream = build_stream(tokenizer, episodes)
+    median = float(np.median(stream.episode_lengths))
+    if median > config.seq_len:
+        raise ValueError(f"half the episodes are longer than seq_len ({median:.0f} > "
+                         f"{config.seq_len} tokens): demonstrate more tasks (the tokenizer then "
+                         "compresses the prompts better) or raise seq_len")
     t2 = time.perf_counter()
     say(f"tokenizer: {tokenizer.get_vocab_size()} tokens; stream {len(stream.tokens)} tokens, "
         f"{int(stream.loss_mask.sum())} sampled; episodes mean "
