@@ -259,6 +259,12 @@ def test_war_http_load_history_health_and_auth(async_engine: AsyncEngine) -> Non
             await backend.add_history([((VOCAB + 3,), None)])
         assert await backend.health()
         assert len((await backend.generate(req("auth-ok"))).output_ids) == 6
+        await backend.observe_rl_step(2)
+        assert async_engine.engine.speculator.rl_step == 2  # type: ignore[attr-defined]
+        with pytest.raises(ValueError, match="went backwards"):
+            await backend.observe_rl_step(1)
+        with pytest.raises(ValueError, match="rl_step must be"):
+            await backend.observe_rl_step(-1)
 
         anonymous = asgi_backend(app)
         assert await anonymous.health()  # /health needs no key

@@ -128,6 +128,13 @@ class WarHttpBackend:
         if payload:
             await self._http.post_json("/v1/history", {"items": payload}, self.name)
 
+    async def observe_rl_step(self, rl_step: int) -> None:
+        """Tells the replica that RL step ``rl_step`` began (its draft history window
+        slides); ``ValueError`` if the replica refuses the step (e.g. it went back)."""
+        if isinstance(rl_step, bool) or not isinstance(rl_step, int) or rl_step < 0:
+            raise ValueError(f"rl_step must be an int >= 0, got {rl_step!r}")
+        await self._http.post_json("/v1/rl_step", {"rl_step": rl_step}, self.name)
+
     async def close(self) -> None:
         await self._http.close()
 
