@@ -336,19 +336,23 @@ def run_once(setup: Setup, settings: BenchSettings, load: str,
 # ---------------------------------------------------------------- the bench
 
 
-def schedule(keys: Sequence[int], repeats: int) -> Iterator[tuple[int, str, int]]:
+LOADS = ("low", "high")
+
+
+def schedule(keys: Sequence[int], repeats: int,
+             loads: Sequence[str] = LOADS) -> Iterator[tuple[int, str, int]]:
     """(repeat, load, key) in run order: loads in turn, configurations rotated per
     repeat so slow drift of the machine does not favour one of them."""
     for repeat in range(repeats):
         shift = repeat % len(keys)
         order = list(keys[shift:]) + list(keys[:shift])
-        for load in ("low", "high"):
+        for load in loads:
             for key in order:
                 yield repeat, load, key
 
 
-def run_bench(settings: BenchSettings, keys: Sequence[int],
-              log: Any = print) -> dict[str, Any]:
+def run_bench(settings: BenchSettings, keys: Sequence[int], log: Any = print,
+              loads_run: Sequence[str] = LOADS) -> dict[str, Any]:
     pool = task_pool(settings.run)
     steps = range(settings.run.steps)
     loads = {
@@ -359,7 +363,7 @@ def run_bench(settings: BenchSettings, keys: Sequence[int],
     }
     figs: list[RunFigures] = []
     extras: dict[tuple[int, str, str], dict[str, float]] = {}
-    for repeat, load, key in schedule(keys, settings.repeats):
+    for repeat, load, key in schedule(keys, settings.repeats, loads_run):
         tasks_by_step, in_flight = loads[load]
         fig, extra = run_once(SETUPS[key], settings, load, tasks_by_step, in_flight, repeat)
         figs.append(fig)
@@ -457,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--low-tasks", type=int, default=2, help="tasks per step at low load")
     p.add_argument("--low-in-flight", type=int, default=2,
                    help="trajectories in flight per replica at low load")
+    p.add_argument("--loads", default="low,high", help="comma-separated: low, high")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port-base", type=int, default=18100)
     p.add_argument("--suffix-config", default=BenchSettings.suffix_config,
@@ -475,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
             and not PEER_PYTHON.exists():
         p.error(f"configurations {keys} need the peer environment {PEER_PYTHON}: "
                 "run benchmarks/e2e/setup_peer.sh first (or --configs 4)")
+    loads_run = [x.strip() for x in args.loads.split(",") if x.strip()]
+    if not loads_run or any(x not in LOADS for x in loads_run) \
+            or len(set(loads_run)) != len(loads_run):
+        p.error(f"--loads takes distinct names among {LOADS}, got {args.loads!r}")
     if args.repeats < 1 or args.steps < 1 or args.tasks < 1 or args.low_tasks < 1 \
             or args.low_in_flight < 1:
         p.error("--repeats, --steps, --tasks, --low-tasks and --low-in-flight must be >= 1")
@@ -490,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
                              repeats=args.repeats, port_base=args.port_base,
                              suffix_config=args.suffix_config, pin=not args.no_pin,
                              log_dir=args.log_dir)
-    out = run_bench(settings, keys, log=lambda s: print(s, file=sys.stderr, flush=True))
+    out = run_bench(settings, keys, log=lambda s: print(s, file=sys.stderr, flush=True),
+                    loads_run=loads_run)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2))
     if args.markdown is not None:

@@ -37,6 +37,7 @@ def test_schedule_rotates_configurations_and_interleaves_loads(bench: ModuleType
     assert runs[:3] == [(0, "low", 1), (0, "low", 2), (0, "low", 4)]
     assert runs[3:6] == [(0, "high", 1), (0, "high", 2), (0, "high", 4)]
     assert [k for r, load, k in runs if r == 1 and load == "low"] == [2, 4, 1]
+    assert {load for _, load, _ in bench.schedule([4], 2, ["high"])} == {"high"}
 
 
 def test_engine_figures_from_counters(bench: ModuleType) -> None:
@@ -79,6 +80,7 @@ def test_report_medians_ratios_and_markdown(bench: ModuleType) -> None:
     (["--configs", "x"], "comma-separated"),
     (["--configs", "4", "--repeats", "0"], ">= 1"),
     (["--configs", "4", "--suffix-config", "{bad"], "not JSON"),
+    (["--configs", "4", "--loads", "low,medium"], "--loads"),
 ])
 def test_bad_arguments_are_refused(bench: ModuleType, tmp_path: Path, argv: list[str],
                                    message: str, capsys: pytest.CaptureFixture[str]) -> None:

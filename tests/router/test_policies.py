@@ -306,7 +306,7 @@ def test_war_continues_moves_only_when_its_replica_is_down() -> None:
 
 
 def test_war_groups_colocate_until_load_demands_spreading() -> None:
-    p = war(group_abs_tokens=300, group_rel=1.25)
+    p = war(group_abs_tokens=300, group_rel=1.25, group_abs_requests=100)
     f = Fleet("a", "b", "c")
     prompt = tuple(range(1000, 1100))  # 100 tokens + 16 max tokens = 116 per sample
     placed = [f.send(p, req(f"g{i}", prompt, tid=f"g/{i}", gid="g"), float(i))
@@ -320,6 +320,30 @@ def test_war_groups_colocate_until_load_demands_spreading() -> None:
     other = tuple(range(5000, 5100))
     least = min(f.names, key=lambda n: (f.tokens[n], n))
     assert f.send(p, req("h0", other, tid="h/0", gid="h"), 9.0) == least
+
+
+def test_war_groups_spread_by_requests_when_requests_are_small() -> None:
+    # a few short requests never reach the token tolerance; the request count still
+    # keeps one replica from queueing a whole group while another idles
+    p = war()
+    f = Fleet("a", "b")
+    prompt = tuple(range(1000, 1100))
+    placed = [f.send(p, req(f"g{i}", prompt, tid=f"g/{i}", gid="g"), float(i))
+              for i in range(4)]
+    assert placed == ["a", "a", "b", "b"]  # a: 2 vs b: 0 > 1 -> spread; then both match
+    assert p.stats.co_located == 2 and p.stats.spread == 2
+    # at scale the relative tolerance keeps the group together
+    q = war()
+    q.tree.insert(prompt, "a", 0.0)
+
+    def busy(b_requests: int) -> list[ReplicaView]:
+        return [view("a", num_requests=60, tokens_in_flight=60 * 116),
+                view("b", num_requests=b_requests, tokens_in_flight=b_requests * 116)]
+
+    assert q.select(req("h1", prompt, tid="h/1", gid="h"), busy(50), 1.0).replica == "a"
+    assert q.select(req("h2", prompt, tid="h/2", gid="h"), busy(40), 2.0).replica == "b"
+    with pytest.raises(ValueError, match="group_abs_requests"):
+        war(group_abs_requests=-1)
 
 
 def test_war_group_match_needs_threshold() -> None:

@@ -34,9 +34,12 @@ Rules, per request, over the healthy replicas:
 3. Placement (new trajectories, moves, requests without a trajectory): among
    candidates holding at least ``group_match_threshold`` of the prompt (the group's
    shared task prompt, per the prefix tree) and not overloaded against the least
-   loaded candidate by ``group_abs_tokens`` / ``group_rel`` (both), the longest
-   match wins (``stats.co_located``); if there is none, the least loaded candidate
-   (``stats.spread``). So a group's samples share one replica's cached prompt
+   loaded candidate by ``group_abs_tokens`` / ``group_rel`` (both) nor in requests
+   in flight by ``group_abs_requests`` / ``group_rel`` (both), the longest match
+   wins (``stats.co_located``); if there is none, the least loaded candidate
+   (``stats.spread``). The request rule matters when requests are small against
+   the token tolerance (few, short trajectories): without it a whole group would
+   queue on one replica while another idles. So a group's samples share one replica's cached prompt
    until that replica runs ahead of the fleet, then spill to the next; the group
    tolerance is tighter than the stickiness one because a move loses only the
    shared prompt, not a whole trajectory's context.
@@ -85,6 +88,8 @@ class WarPolicyConfig:
       at ~512 tokens a request.
     * ``group_abs_tokens``, ``group_rel``: the same tolerance for placing a new
       trajectory with its group's cached prompt.
+    * ``group_abs_requests``: the tolerance in requests in flight (with
+      ``group_rel``) for placing a new trajectory with its group's cached prompt.
     * ``group_match_threshold``: fraction of the prompt a replica must hold for it
       to count as holding the group's prefix (a group's first turns share all of
       it; other groups share a system prompt at most).
@@ -98,6 +103,7 @@ class WarPolicyConfig:
     migrate_rel: float = 1.5
     group_abs_tokens: int = 8_192
     group_rel: float = 1.25
+    group_abs_requests: int = 1
     group_match_threshold: float = 0.5
     max_tree_tokens: int = 1 << 21
     trajectory_ttl_s: float = 1800.0
@@ -106,7 +112,7 @@ class WarPolicyConfig:
     progress: ProgressConfig = field(default_factory=ProgressConfig)
 
     def __post_init__(self) -> None:
-        for name in ("migrate_abs_tokens", "group_abs_tokens"):
+        for name in ("migrate_abs_tokens", "group_abs_tokens", "group_abs_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("migrate_rel", "group_rel"):
@@ -225,8 +231,11 @@ class WarPolicy:
         min_load = min(loads[r.name] for r in candidates)
         matched = {} if request.continues else self.tree.match(request.prompt_ids)
         need = max(1.0, cfg.group_match_threshold * len(request.prompt_ids))
+        min_requests = min(r.num_requests for r in candidates)
         hits = [r for r in candidates if matched.get(r.name, 0) >= need
                 and not is_imbalanced(loads[r.name], min_load, cfg.group_abs_tokens,
+                                      cfg.group_rel)
+                and not is_imbalanced(r.num_requests, min_requests, cfg.group_abs_requests,
                                       cfg.group_rel)]
         if hits:
             self.stats.co_located += 1
