@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -140,6 +141,11 @@ class Server:
         raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s; its log "
                            f"{self.log_path} ends:\n{self.log_tail()}")
 
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the live processes of this server's session (the
+        server and every process it started: vLLM's engine core and workers)."""
+        return 0.0 if self.proc is None else session_cpu_s(self.proc.pid)
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -157,6 +163,28 @@ class Server:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
+
+
+def session_cpu_s(session: int) -> float:
+    """User + system CPU seconds of the live processes whose session id is ``session``
+    (from /proc; 0 where there is no /proc)."""
+    ticks = 0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return 0.0
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                data = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        fields = data[data.rindex(")") + 2:].split()  # after "(comm)": state, ppid, ...
+        if int(fields[3]) == session:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _pinned(argv: list[str], core: int | None) -> list[str]:
@@ -318,7 +346,11 @@ def run_once(setup: Setup, settings: BenchSettings, load: str,
             s.start()
             s.wait_ready(settings.startup_timeout_s)
         startup_s = time.monotonic() - t0
+        cpu0 = [s.cpu_s() for s in servers]
+        self0 = resource.getrusage(resource.RUSAGE_SELF)
         trajs, mismatches = asyncio.run(drive(setup, settings, tasks_by_step, in_flight))
+        self1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = [s.cpu_s() - c for s, c in zip(servers, cpu0, strict=True)]
         pages = [scrape(f"http://127.0.0.1:{settings.port_base + 1 + i}/metrics")
                  for i in range(settings.run.replicas)]
     finally:
@@ -330,6 +362,14 @@ def run_once(setup: Setup, settings: BenchSettings, load: str,
     extra["errors"] = float(sum(t.finish_reason == "error" for t in trajs))
     extra["prompt_mismatches"] = float(mismatches)
     extra["requests"] = float(sum(t.num_turns for t in trajs))
+    # Where the time goes: CPU seconds of the replicas, of sglang-router, and of this
+    # process (the agent loops, tools, tokenization, HTTP clients and WAR's router).
+    extra["replica_cpu_s"] = sum(cpu[: settings.run.replicas])
+    extra["front_cpu_s"] = sum(cpu[settings.run.replicas:])
+    extra["driver_cpu_s"] = (self1.ru_utime - self0.ru_utime) + (self1.ru_stime - self0.ru_stime)
+    wall = fig.makespan_s
+    extra["replica_busy"] = (extra["replica_cpu_s"] / (settings.run.replicas * wall)
+                             if wall > 0 else 0.0)
     return fig, extra
 
 
@@ -372,6 +412,8 @@ def run_bench(settings: BenchSettings, keys: Sequence[int], log: Any = print,
             f"{fig.tokens_per_s:7.1f} tok/s makespan {fig.makespan_s:6.1f} s "
             f"{extra['tokens_per_step']:.2f} tok/step hit {extra['prefix_hit_rate']:.2f} "
             f"reward {fig.mean_reward:.2f} errors {extra['errors']:.0f} "
+            f"cpu s: replicas {extra['replica_cpu_s']:.1f} (busy {extra['replica_busy']:.0%}) "
+            f"front {extra['front_cpu_s']:.1f} driver {extra['driver_cpu_s']:.1f} "
             f"retokenized {extra['prompt_mismatches']:.0f}/{extra['requests']:.0f} "
             f"(start-up {extra['startup_s']:.0f} s)")
     runs = [dict(dataclasses.asdict(f), **extras[(f.repeat, f.load, f.config)])
@@ -381,7 +423,8 @@ def run_bench(settings: BenchSettings, keys: Sequence[int], log: Any = print,
 
 _MEDIANS = ("makespan_s", "tokens_per_s", "lower_bound_ratio", "prefix_hit_rate",
             "tokens_per_step", "mean_reward", "success_rate", "errors", "startup_s",
-            "prompt_mismatches")
+            "prompt_mismatches", "replica_cpu_s", "front_cpu_s", "driver_cpu_s",
+            "replica_busy")
 
 
 def report(runs: Sequence[dict[str, Any]], settings: BenchSettings,
@@ -438,6 +481,16 @@ def markdown(out: Mapping[str, Any]) -> str:
                 f"{r['prefix_hit_rate']:.2f} | {r['tokens_per_step']:.2f} | "
                 f"{r['mean_reward']:.2f} |")
         lines.append("")
+    lines += ["**Where the time goes** (CPU seconds per run, medians; replicas busy = their "
+              "CPU / (replicas x makespan))", "",
+              "| load | # | configuration | replicas CPU s | replicas busy | sglang-router CPU s "
+              "| driver + WAR router CPU s |", "|---|---|---|---|---|---|---|"]
+    for load, rows in out["tables"].items():
+        for r in rows:
+            lines.append(f"| {load} | {r['config']} | {r['name']} | {r['replica_cpu_s']:.1f} | "
+                         f"{r['replica_busy']:.0%} | {r['front_cpu_s']:.1f} | "
+                         f"{r['driver_cpu_s']:.1f} |")
+    lines.append("")
     return "\n".join(lines)
 
 

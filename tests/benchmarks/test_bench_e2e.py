@@ -60,7 +60,9 @@ def test_report_medians_ratios_and_markdown(bench: ModuleType) -> None:
                          "tokens_per_s": tps, "makespan_s": 1000 / tps,
                          "lower_bound_ratio": 1.1, "prefix_hit_rate": 0.5,
                          "tokens_per_step": 1.5, "mean_reward": 0.75, "success_rate": 0.75,
-                         "errors": 0.0, "startup_s": 5.0, "prompt_mismatches": 0.0})
+                         "errors": 0.0, "startup_s": 5.0, "prompt_mismatches": 0.0,
+                         "replica_cpu_s": 10.0, "front_cpu_s": 0.0, "driver_cpu_s": 3.0,
+                         "replica_busy": 0.5})
     settings = bench.BenchSettings(run=bench.RunConfig(), model=Path("m"), repeats=3)
     out = bench.report(runs, settings, [2, 4])
     rows = {r["config"]: r for r in out["tables"]["high"]}
@@ -70,6 +72,7 @@ def test_report_medians_ratios_and_markdown(bench: ModuleType) -> None:
     assert out["tables"]["low"] == []
     text = bench.markdown(out)
     assert "| 4 | war |" in text and "1.50x" in text
+    assert "| high | 4 | war | 10.0 | 50% | 0.0 | 3.0 |" in text
     assert bench._ratio(out, "high", 4) == pytest.approx(1.5)
     assert bench._ratio(out, "low", 4) != bench._ratio(out, "low", 4)  # nan: not run
 
@@ -129,5 +132,8 @@ def test_war_configuration_end_to_end(bench: ModuleType, tmp_path: Path) -> None
         assert row["tokens_per_s"] > 0 and row["tokens_per_step"] >= 1.0
         assert 0.0 < row["prefix_hit_rate"] <= 1.0
     assert len(out["runs"]) == 2
+    for run in out["runs"]:  # the replicas' processes were found and measured
+        assert run["replica_cpu_s"] > 0 and run["driver_cpu_s"] > 0
+        assert run["front_cpu_s"] == 0.0
     assert (tmp_path / "logs" / "r0-low-4" / "war0.log").exists()
     assert "| 4 | war |" in (tmp_path / "e2e.md").read_text()
