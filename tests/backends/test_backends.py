@@ -328,8 +328,8 @@ def test_war_http_5xx_and_malformed_answers_mean_unavailable() -> None:
 def test_war_http_real_socket(async_engine: AsyncEngine) -> None:
     app = create_app(async_engine, model_name="tiny")
     local = InProcessBackend("local", async_engine)
-    with serve(app) as (url, _):  # the server stops when the block ends
-        async def go() -> WarHttpBackend:
+    with serve(app) as (url, server):
+        async def go() -> None:
             backend = WarHttpBackend("sock", url, timeout_s=30)
             assert await backend.health()
             results = await asyncio.gather(*(backend.generate(req(f"sock-{i}", (30 + i, 31)))
@@ -340,21 +340,30 @@ def test_war_http_real_socket(async_engine: AsyncEngine) -> None:
             load = await backend.load()
             assert load.kv_blocks_total == 64
             await backend.add_history([((1, 2, 3), "g")])
-            return backend
 
-        backend = run(go())
+            server.should_exit = True  # the server goes away under the pooled connections
+            deadline = time.monotonic() + 10
+            while _accepts(url):
+                assert time.monotonic() < deadline, "uvicorn did not stop"
+                await asyncio.sleep(0.05)
+            t0 = time.monotonic()  # now unavailable, quickly
+            assert not await backend.health()
+            with pytest.raises(ReplicaUnavailable, match="unreachable"):
+                await backend.generate(req("gone"))
+            with pytest.raises(ReplicaUnavailable):
+                await backend.load()
+            assert time.monotonic() - t0 < 5
+            await backend.close()
 
-    async def after() -> None:  # the server is gone: unavailable, quickly
-        t0 = time.monotonic()
-        assert not await backend.health()
-        with pytest.raises(ReplicaUnavailable, match="unreachable"):
-            await backend.generate(req("gone"))
-        with pytest.raises(ReplicaUnavailable):
-            await backend.load()
-        assert time.monotonic() - t0 < 5
-        await backend.close()
+        run(go())
 
-    run(after())
+
+def _accepts(url: str) -> bool:
+    """Whether something accepts connections at ``url``'s host and port."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, int(port))) == 0
 
 
 def test_connection_refused_is_unavailable_quickly() -> None:

@@ -27,6 +27,7 @@ class Echo:
         self.held: dict[str, list[int]] = {}
         self.requests: list[GenRequest] = []
         self.history: list[tuple[list[int], str | None]] = []
+        self.history_calls = 0
 
     async def generate(self, request: GenRequest) -> GenResult:
         self.requests.append(request)
@@ -55,6 +56,7 @@ class Echo:
         return not self.down
 
     async def add_history(self, items: Sequence[tuple[Sequence[int], str | None]]) -> None:
+        self.history_calls += 1
         self.history.extend((list(t), g) for t, g in items)
 
     async def close(self) -> None:
@@ -103,16 +105,42 @@ def test_routes_sets_priority_and_shares_history() -> None:
         out = await asyncio.gather(*[
             r.generate(GenRequest(f"q{i}", (i, 1), SP, trajectory_id=f"t{i}", group_id="g"))
             for i in range(4)])
-        await asyncio.sleep(0.01)  # history forwarding is in the background
+        await asyncio.sleep(0.01)
+        # history forwarding is in the background, gathered for history_flush_s
+        assert reps["a"].history == [] and reps["b"].history == []
+        await asyncio.sleep(r.config.history_flush_s + 0.05)
         return list(out)
 
     out = asyncio.run(main())
     assert [o.output_ids[0] for o in out] == [(i + 1) % 50 for i in range(4)]
     assert all(q.priority == 7.0 for rep in reps.values() for q in rep.requests)
     assert r.stats.completed == 4 and sorted(r.stats.per_replica.values()) == [2, 2]
-    # each replica got the other's responses as draft history
+    # each replica got the other's responses as draft history, in one call
     assert len(reps["a"].history) == 2 and len(reps["b"].history) == 2
+    assert reps["a"].history_calls == 1 and reps["b"].history_calls == 1
     assert r.stats.history_forwarded == 4
+
+
+@pytest.mark.parametrize("flush_s, batch, calls", [(0.0, 64, 3), (10.0, 2, 1)])
+def test_history_is_sent_at_once_or_in_full_batches(flush_s: float, batch: int,
+                                                     calls: int) -> None:
+    r, reps, _policy = router("a", "b", history_flush_s=flush_s, history_batch=batch)
+
+    async def main() -> None:
+        for i in range(3):  # b serves nothing: the sticky test policy sends all to a
+            await r.generate(GenRequest(f"q{i}", (0, 1), SP, trajectory_id="t", group_id="g"))
+        await asyncio.sleep(0.01)
+        await r.close()
+
+    asyncio.run(main())
+    # at once: three calls; batches of two: one full batch sent, the third waits
+    # for a flush that close() cancels (history is an optimization)
+    assert reps["b"].history_calls == calls
+    assert len(reps["b"].history) == (3 if flush_s == 0 else 2)
+    with pytest.raises(ValueError, match="history_batch"):
+        RouterConfig(history_batch=0)
+    with pytest.raises(ValueError, match="history_flush_s"):
+        RouterConfig(history_flush_s=-1.0)
 
 
 def test_failover_retries_elsewhere_with_the_whole_context() -> None:

@@ -17,7 +17,9 @@ router does, elsewhere). The helpers at the bottom are shared with
 
 from __future__ import annotations
 
+import functools
 import math
+import ssl
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -207,8 +209,23 @@ def transport_failure(name: str, path: str, exc: httpx.RequestError) -> NoReturn
     raise ReplicaUnavailable(f"{name}: {path} {kind}: {detail}") from exc
 
 
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """One verifying TLS context for every client (loading CA certificates is slow)."""
+    return ssl.create_default_context()
+
+
 class HttpChannel:
-    """A pooled keep-alive client bound to one base URL, with the error mapping above."""
+    """Pooled keep-alive clients bound to one base URL, with the error mapping above.
+
+    A channel that makes its own clients splits its connections over up to
+    ``POOL_SHARDS`` of them and sends each call through the one with the fewest calls
+    in flight: httpcore's pool checks every connection it holds (a socket poll for
+    each idle one) whenever a request starts or ends, which grows with the square of
+    the concurrency, and a hundred agent turns in flight to one replica made that the
+    client's main cost. A ``client`` passed in is used alone."""
+
+    POOL_SHARDS = 8
 
     def __init__(self, base_url: str, api_key: str | None, timeout_s: float,
                  connect_timeout_s: float, health_timeout_s: float, max_connections: int,
@@ -224,11 +241,21 @@ class HttpChannel:
         self.health_timeout = httpx.Timeout(health_timeout_s)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._owns_client = client is None
-        self.client = client if client is not None else httpx.AsyncClient(
-            timeout=self.timeout,
-            limits=httpx.Limits(max_connections=max_connections,
-                                max_keepalive_connections=max_connections),
-        )
+        if client is not None:
+            self.clients = [client]
+        else:
+            shards = min(self.POOL_SHARDS, max_connections)
+            per = max_connections // shards
+            self.clients = [
+                httpx.AsyncClient(timeout=self.timeout, verify=_tls_context(), limits=httpx.Limits(
+                    max_connections=per, max_keepalive_connections=per))
+                for _ in range(shards)]
+        self._in_flight = [0] * len(self.clients)
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The first (with a client passed in: the only) client."""
+        return self.clients[0]
 
     def url(self, path: str) -> str:
         return self.base_url + path
@@ -237,12 +264,16 @@ class HttpChannel:
                    json: object = None, timeout: httpx.Timeout | None = None) -> httpx.Response:
         """One call; transport failures raise ``ReplicaUnavailable``; the answer is
         returned whatever its status."""
+        shard = min(range(len(self.clients)), key=self._in_flight.__getitem__)
+        self._in_flight[shard] += 1
         try:
-            return await self.client.request(
+            return await self.clients[shard].request(
                 method, self.url(path), json=json, headers=self.headers,
                 timeout=timeout if timeout is not None else self.timeout)
         except httpx.RequestError as e:  # connect/read/write, timeouts, protocol, decoding
             transport_failure(name, path, e)
+        finally:
+            self._in_flight[shard] -= 1
 
     async def post_json(self, path: str, body: Mapping[str, Any], name: str) -> Any:
         response = await self.send("POST", path, name, json=body)
@@ -276,7 +307,8 @@ class HttpChannel:
 
     async def close(self) -> None:
         if self._owns_client:
-            await self.client.aclose()
+            for client in self.clients:
+                await client.aclose()
 
 
 def finish_reason(value: object) -> str:

@@ -16,13 +16,13 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
+from war.data import policy_path
 from war.engine.async_engine import AsyncEngine
 from war.engine.config import EngineConfig
 from war.engine.engine import Engine
@@ -143,11 +143,11 @@ def _as_mapping(value: Any, where: str) -> Mapping[str, Any]:
 
 def builtin_policy() -> Path:
     """The folder of the built-in policy shipped with WAR (``war train-policy`` made it)."""
-    path = Path(str(files("war.data") / "policy"))
-    if not (path / "config.json").is_file():
-        raise ValueError(f"the built-in policy is missing from {path}; "
-                         "build it with `war train-policy --out` that folder")
-    return path
+    try:
+        return policy_path()
+    except FileNotFoundError as exc:
+        raise ValueError(f"{exc}; build it with `war train-policy --out` that folder "
+                         "(war/data/policy)") from None
 
 
 def task_pool(cfg: RunConfig) -> list[Task]:

@@ -22,8 +22,9 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from war.backends.base import Backend, ReplicaUnavailable
 from war.router.policies.base import ReplicaView, RoutingPolicy
@@ -43,12 +44,18 @@ class RouterConfig:
     * ``max_attempts``: replicas tried for one request before it fails.
     * ``health_interval_s``: how often down replicas are checked (and loads polled).
     * ``share_history``: forward completed responses to the other replicas.
+    * ``history_flush_s``, ``history_batch``: forwarded responses are gathered per
+      replica and sent together, at most ``history_flush_s`` after the first of a
+      batch or as soon as ``history_batch`` wait (one request per batch, not per
+      response); ``history_flush_s = 0`` sends each response at once.
     * ``max_trajectories``: trajectory contexts kept (least recently used dropped).
     """
 
     max_attempts: int = 4
     health_interval_s: float = 1.0
     share_history: bool = True
+    history_flush_s: float = 0.05
+    history_batch: int = 64
     max_trajectories: int = 100_000
 
     def __post_init__(self) -> None:
@@ -58,6 +65,10 @@ class RouterConfig:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if self.max_trajectories < 1:
             raise ValueError(f"max_trajectories must be >= 1, got {self.max_trajectories}")
+        if not self.history_flush_s >= 0:
+            raise ValueError(f"history_flush_s must be >= 0, got {self.history_flush_s}")
+        if self.history_batch < 1:
+            raise ValueError(f"history_batch must be >= 1, got {self.history_batch}")
 
 
 @dataclass
@@ -109,6 +120,9 @@ class Router:
         self._contexts: OrderedDict[str, list[int]] = OrderedDict()
         self._health_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        # history waiting to be forwarded, per replica, and whether a flush is due
+        self._pending: dict[str, list[tuple[Sequence[int], str | None]]] = {}
+        self._flush_due: set[str] = set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -249,13 +263,35 @@ class Router:
     def _share(self, source: str, result: GenResult, group_id: str) -> None:
         if not result.output_ids:
             return
-        item = [(list(result.output_ids), group_id)]
+        item = (list(result.output_ids), group_id)
         for name, rep in self.replicas.items():
             if name == source or not rep.healthy:
                 continue
-            task = asyncio.create_task(self._forward(rep, item))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            pending = self._pending.setdefault(name, [])
+            pending.append(item)
+            if self.config.history_flush_s == 0 or len(pending) >= self.config.history_batch:
+                self._spawn(self._flush(name))
+            elif name not in self._flush_due:
+                self._flush_due.add(name)
+                self._spawn(self._flush_later(name))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _flush_later(self, name: str) -> None:
+        try:
+            await asyncio.sleep(self.config.history_flush_s)
+        finally:
+            self._flush_due.discard(name)
+        await self._flush(name)
+
+    async def _flush(self, name: str) -> None:
+        items = self._pending.pop(name, [])
+        rep = self.replicas.get(name)
+        if items and rep is not None and rep.healthy:
+            await self._forward(rep, items)
 
     async def _forward(self, rep: _Replica,
                        items: Sequence[tuple[Sequence[int], str | None]]) -> None:
