@@ -106,6 +106,7 @@ class BenchSettings:
     vllm_kv_gb: int = 1
     pin: bool = True
     log_dir: Path = Path("runs/e2e/logs")
+    war_policy: str = "{}"  # settings of the ``war`` policy (WarPolicyConfig fields), JSON
     startup_timeout_s: float = 300.0
 
 
@@ -309,7 +310,8 @@ async def drive(setup: Setup, settings: BenchSettings, tasks_by_step: Sequence[l
     backends = front_backends(setup, settings, io)
     front: Any
     if setup.front == "war":
-        front = Router(backends, make_policy(setup.policy))
+        settings_ = json.loads(settings.war_policy) if setup.policy == "war" else {}
+        front = Router(backends, make_policy(setup.policy, **settings_))
         await front.start()
     else:
         front = backends["sglang"]
@@ -461,6 +463,7 @@ def report(runs: Sequence[dict[str, Any]], settings: BenchSettings,
             "repeats": settings.repeats, "max_num_seqs": settings.max_num_seqs,
             "suffix_config": json.loads(settings.suffix_config), "pinned": settings.pin,
             "cores": [c for c in _cores(settings)], "seed": settings.run.seed,
+            "war_policy": json.loads(settings.war_policy),
             "agent": dataclasses.asdict(settings.run.agent),
         },
     }
@@ -519,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port-base", type=int, default=18100)
     p.add_argument("--suffix-config", default=BenchSettings.suffix_config,
                    help="vLLM --speculative-config of configurations 2, 3 and 5")
+    p.add_argument("--war-policy", default="{}",
+                   help="JSON settings of the war policy (configurations 4 and 5), e.g. "
+                        "'{\"group_rel\": 1.1}'")
     p.add_argument("--no-pin", action="store_true", help="do not pin replicas to cores")
     p.add_argument("--log-dir", type=Path, default=Path("runs/e2e/logs"))
     args = p.parse_args(argv)
@@ -544,6 +550,10 @@ def main(argv: list[str] | None = None) -> int:
         json.loads(args.suffix_config)
     except json.JSONDecodeError as exc:
         p.error(f"--suffix-config is not JSON: {exc}")
+    try:
+        make_policy("war", **json.loads(args.war_policy))
+    except (json.JSONDecodeError, TypeError, ValueError) as exc:
+        p.error(f"--war-policy: {exc}")
     model = args.model or builtin_policy()
     run = RunConfig(name="e2e", model=str(model), replicas=2, tasks_per_step=args.tasks,
                     group_size=8, steps=args.steps, seed=args.seed, agent=AgentConfig())
@@ -551,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                              low_in_flight_per_replica=args.low_in_flight,
                              repeats=args.repeats, port_base=args.port_base,
                              suffix_config=args.suffix_config, pin=not args.no_pin,
-                             log_dir=args.log_dir)
+                             log_dir=args.log_dir, war_policy=args.war_policy)
     out = run_bench(settings, keys, log=lambda s: print(s, file=sys.stderr, flush=True),
                     loads_run=loads_run)
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -84,6 +84,8 @@ def test_report_medians_ratios_and_markdown(bench: ModuleType) -> None:
     (["--configs", "4", "--repeats", "0"], ">= 1"),
     (["--configs", "4", "--suffix-config", "{bad"], "not JSON"),
     (["--configs", "4", "--loads", "low,medium"], "--loads"),
+    (["--configs", "4", "--war-policy", '{"no_such": 1}'], "--war-policy"),
+    (["--configs", "4", "--war-policy", '{"group_rel": 0.5}'], "--war-policy"),
 ])
 def test_bad_arguments_are_refused(bench: ModuleType, tmp_path: Path, argv: list[str],
                                    message: str, capsys: pytest.CaptureFixture[str]) -> None:

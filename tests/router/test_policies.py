@@ -340,7 +340,7 @@ def test_war_groups_spread_by_requests_when_requests_are_small() -> None:
         return [view("a", num_requests=60, tokens_in_flight=60 * 116),
                 view("b", num_requests=b_requests, tokens_in_flight=b_requests * 116)]
 
-    assert q.select(req("h1", prompt, tid="h/1", gid="h"), busy(50), 1.0).replica == "a"
+    assert q.select(req("h1", prompt, tid="h/1", gid="h"), busy(56), 1.0).replica == "a"
     assert q.select(req("h2", prompt, tid="h/2", gid="h"), busy(40), 2.0).replica == "b"
     with pytest.raises(ValueError, match="group_abs_requests"):
         war(group_abs_requests=-1)

@@ -102,7 +102,7 @@ class WarPolicyConfig:
     migrate_abs_tokens: int = 32_768
     migrate_rel: float = 1.5
     group_abs_tokens: int = 8_192
-    group_rel: float = 1.25
+    group_rel: float = 1.1
     group_abs_requests: int = 1
     group_match_threshold: float = 0.5
     max_tree_tokens: int = 1 << 21
