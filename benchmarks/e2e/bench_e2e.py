@@ -37,15 +37,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
 import resource
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -63,6 +60,7 @@ from war.rollout.bench import RunFigures, figures, with_lower_bounds
 from war.rollout.driver import RolloutConfig, run_step_async
 from war.rollout.envs import Task
 from war.rollout.run import RunConfig, builtin_policy, step_tasks, task_pool
+from war.router.bench import Service
 from war.router.policies import make_policy
 from war.router.router import Router
 
@@ -113,81 +111,6 @@ class BenchSettings:
 # ---------------------------------------------------------------- processes
 
 
-class Server:
-    """A server process in its own session (so the whole tree can be stopped), with
-    its output in a log file and a readiness URL polled with a bounded wait."""
-
-    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str],
-                 ready_url: str, log_path: Path) -> None:
-        self.name, self.argv, self.env = name, list(argv), dict(env)
-        self.ready_url, self.log_path = ready_url, log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited during start-up; its log "
-                                   f"{self.log_path} ends:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.ready_url, timeout=2.0).status_code == 200:
-                    return
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s; its log "
-                           f"{self.log_path} ends:\n{self.log_tail()}")
-
-    def cpu_s(self) -> float:
-        """CPU seconds used so far by the live processes of this server's session (the
-        server and every process it started: vLLM's engine core and workers)."""
-        return 0.0 if self.proc is None else session_cpu_s(self.proc.pid)
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-
-def session_cpu_s(session: int) -> float:
-    """User + system CPU seconds of the live processes whose session id is ``session``
-    (from /proc; 0 where there is no /proc)."""
-    ticks = 0
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return 0.0
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                data = f.read()
-        except OSError:  # exited meanwhile
-            continue
-        fields = data[data.rindex(")") + 2:].split()  # after "(comm)": state, ppid, ...
-        if int(fields[3]) == session:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def _pinned(argv: list[str], core: int | None) -> list[str]:
     return argv if core is None else ["taskset", "-c", str(core), *argv]
 
@@ -200,7 +123,14 @@ def _cores(settings: BenchSettings) -> list[int | None]:
     return usable[:n]
 
 
-def replica_servers(setup: Setup, settings: BenchSettings, run_dir: Path) -> list[Server]:
+def _server(name: str, argv: list[str], env: dict[str, str], ready_url: str,
+            log_path: Path) -> Service:
+    """A server in a session of its own (so its workers stop with it), logging to
+    ``log_path``."""
+    return Service(name, argv, ready_url, env, log_path=log_path, own_session=True)
+
+
+def replica_servers(setup: Setup, settings: BenchSettings, run_dir: Path) -> list[Service]:
     out = []
     for i, core in enumerate(_cores(settings)):
         port = settings.port_base + 1 + i
@@ -231,20 +161,20 @@ def replica_servers(setup: Setup, settings: BenchSettings, run_dir: Path) -> lis
             if setup.speculation:
                 argv += ["--speculative-config", settings.suffix_config]
             ready = f"http://127.0.0.1:{port}/health"
-        out.append(Server(f"{setup.engine}{i}", _pinned(argv, core), env, ready,
-                          run_dir / f"{setup.engine}{i}.log"))
+        out.append(_server(f"{setup.engine}{i}", _pinned(argv, core), env, ready,
+                           run_dir / f"{setup.engine}{i}.log"))
     return out
 
 
-def sglang_router(setup: Setup, settings: BenchSettings, run_dir: Path) -> Server:
+def sglang_router(setup: Setup, settings: BenchSettings, run_dir: Path) -> Service:
     port = settings.port_base
     workers = [f"http://127.0.0.1:{settings.port_base + 1 + i}"
                for i in range(settings.run.replicas)]
     argv = [str(PEER_PYTHON), "-m", "sglang_router.launch_router", "--worker-urls", *workers,
             "--policy", setup.policy, "--host", "127.0.0.1", "--port", str(port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 50)]
-    return Server("sglang-router", argv, dict(os.environ), f"http://127.0.0.1:{port}/health",
-                  run_dir / "sglang-router.log")
+    return _server("sglang-router", argv, dict(os.environ),
+                   f"http://127.0.0.1:{port}/health", run_dir / "sglang-router.log")
 
 
 # ---------------------------------------------------------------- metrics
@@ -341,12 +271,11 @@ def run_once(setup: Setup, settings: BenchSettings, load: str,
     try:
         t0 = time.monotonic()
         for s in servers[: settings.run.replicas]:
-            s.start()
+            s.launch()
         for s in servers[: settings.run.replicas]:
             s.wait_ready(settings.startup_timeout_s)
         for s in servers[settings.run.replicas:]:  # the router needs its workers up
-            s.start()
-            s.wait_ready(settings.startup_timeout_s)
+            s.start(settings.startup_timeout_s)
         startup_s = time.monotonic() - t0
         cpu0 = [s.cpu_s() for s in servers]
         self0 = resource.getrusage(resource.RUSAGE_SELF)

@@ -44,6 +44,7 @@ import importlib.util
 import math
 import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -53,7 +54,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import torch
@@ -185,16 +186,29 @@ async def serve_instant_replicas(ports: Sequence[int], max_output_tokens: int = 
 
 class Service:
     """A subprocess that is ready once ``ready_url`` answers 200 (bounded wait); its
-    output goes to a log file, shown when it fails to start."""
+    output goes to a log file, shown when it fails to start.
+
+    ``log_path``: keep the log there (default: a temporary file, deleted on stop).
+    ``own_session``: start it in a session of its own and stop the whole session
+    (servers that start worker processes, such as vLLM); ``cpu_s()`` then measures
+    the CPU time of every live process of that session."""
 
     def __init__(self, name: str, argv: Sequence[str], ready_url: str,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, *, log_path: Path | None = None,
+                 own_session: bool = False) -> None:
         self.name = name
         self.argv = list(argv)
         self.ready_url = ready_url
         self.env = env
-        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop())
-            prefix=f"war-bench-{name}-", suffix=".log", delete=False)
+        self.own_session = own_session
+        self._keep_log = log_path is not None
+        self._log: IO[bytes]
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
+        else:
+            self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop())
+                prefix=f"war-bench-{name}-", suffix=".log", delete=False)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 120.0) -> None:
@@ -204,7 +218,8 @@ class Service:
 
     def launch(self) -> None:
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=self.env)
+                                     stdin=subprocess.DEVNULL, env=self.env,
+                                     start_new_session=self.own_session)
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Returns once ``ready_url`` answers 200; raises ``RuntimeError`` if the
@@ -227,17 +242,55 @@ class Service:
         self._log.flush()
         return Path(self._log.name).read_text(encoding="utf-8", errors="replace")
 
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the live processes of this service's session
+        (``own_session`` services; 0 otherwise)."""
+        if self.proc is None or not self.own_session:
+            return 0.0
+        return session_cpu_s(self.proc.pid)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            self._signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=30 if self.own_session else 15)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+                self._signal(signal.SIGKILL)
+                self.proc.wait(timeout=10)
         self._log.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self._log.name)
+        if not self._keep_log:
+            with contextlib.suppress(OSError):
+                os.unlink(self._log.name)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            if self.own_session:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+
+
+def session_cpu_s(session: int) -> float:
+    """User + system CPU seconds of the live processes whose session id is ``session``
+    (from /proc; 0 where there is no /proc)."""
+    ticks = 0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return 0.0
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                data = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        fields = data[data.rindex(")") + 2:].split()  # after "(comm)": state, ppid, ...
+        if int(fields[3]) == session:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def sglang_router_status() -> dict[str, Any]:
