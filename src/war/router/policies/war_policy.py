@@ -39,10 +39,10 @@ Rules, per request, over the healthy replicas:
    wins (``stats.co_located``); if there is none, the least loaded candidate
    (``stats.spread``). The request rule matters when requests are small against
    the token tolerance (few, short trajectories): without it a whole group would
-   queue on one replica while another idles. So a group's samples share one replica's cached prompt
-   until that replica runs ahead of the fleet, then spill to the next; the group
-   tolerance is tighter than the stickiness one because a move loses only the
-   shared prompt, not a whole trajectory's context.
+   queue on one replica while another idles. So a group's samples share one
+   replica's cached prompt until that replica runs ahead of the fleet, then spill
+   to the next; the group tolerance is tighter than the stickiness one because a
+   move loses only the shared prompt, not a whole trajectory's context.
    Placement weighs each candidate by its load score plus its *committed work*: the
    expected remaining tokens of the trajectories placed on it (``ProgressEstimator``,
    from their groups' earlier samples; the size of the trajectory's last request
