@@ -11,6 +11,7 @@ PINS := scikit-build-core==1.1.2 nanobind==2.9.2 numpy==2.4.6 tokenizers==0.23.3
         rich==15.0.0 pytest==9.2.0 hypothesis==6.170.15 ruff==0.17.5 mypy==2.4.1 \
         torch==2.13.0 safetensors==0.8.0 fastapi==0.165.0 uvicorn==0.54.0 pydantic==2.14.4 \
         prometheus-client==0.26.0 transformers==5.24.0 httpx==0.28.1 sniffio==1.3.1 \
+        aiohttp==3.14.5 uvloop==0.23.0 httptools==0.9.0 orjson==3.13.0 \
         jinja2==3.1.6 pyarrow==26.0.1 matplotlib==3.11.2 pyyaml==6.0.4 types-PyYAML==6.0.12.20261122 \
         ray==2.60.0
 

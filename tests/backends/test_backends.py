@@ -949,7 +949,7 @@ def test_make_backend_parses_specs() -> None:
     named = make_backend("war+https://host.example:443/prefix/?name=r1&timeout_s=5")
     assert isinstance(named, WarHttpBackend)
     assert named.name == "r1" and named.base_url == "https://host.example:443/prefix"
-    assert named._http.timeout.read == 5.0
+    assert named._http.timeout_s == 5.0
     vllm = make_backend("vllm+http://10.0.0.2:8000/?model=Qwen/Qwen3-8B", name="v")
     assert isinstance(vllm, OpenAICompatBackend)
     assert (vllm.name, vllm.server, vllm.model, vllm.base_url) == (

@@ -7,8 +7,8 @@ maps back to a ``GenResult``; how the replica's answers map to the errors the
 router acts on (409 ``unknown_trajectory`` -> ``UnknownTrajectory``, other 4xx ->
 ``ValueError`` with the server's message, connection errors, timeouts, 5xx and
 malformed answers -> ``ReplicaUnavailable``); ``/v1/load``, ``/v1/history`` and
-``/health``. One pooled keep-alive ``httpx.AsyncClient`` per backend (or the
-caller's).
+``/health``. One pool of keep-alive connections per backend (``war.backends.h1``),
+or the caller's ``httpx.AsyncClient``.
 
 Does not know how the replica generates, nor routing; it never retries (the
 router does, elsewhere). The helpers at the bottom are shared with
@@ -17,14 +17,19 @@ router does, elsewhere). The helpers at the bottom are shared with
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import ssl
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 import httpx
+import orjson
 
+from war.backends import h1
 from war.backends.base import ReplicaUnavailable
 from war.types import FINISH_REASONS, GenRequest, GenResult, ReplicaLoad, UnknownTrajectory
 
@@ -167,13 +172,33 @@ def _check_positive(what: str, value: float) -> None:
         raise ValueError(f"{what} must be a finite number > 0, got {value!r}")
 
 
-def error_message(response: httpx.Response) -> tuple[str, str | None]:
+@dataclass(frozen=True)
+class Answer:
+    """A replica's answer, read whole: status, reason phrase, body, and the call it
+    answers (for error messages)."""
+
+    status_code: int
+    reason: str
+    content: bytes
+    method: str
+    path: str
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        """The body as JSON (``ValueError`` if it is not)."""
+        return orjson.loads(self.content)
+
+
+def error_message(answer: Answer) -> tuple[str, str | None]:
     """The message and code of an error answer (OpenAI ``{"error": {...}}``, FastAPI
     ``{"detail": ...}`` or plain text)."""
     try:
-        data = response.json()
+        data = answer.json()
     except ValueError:
-        return response.text.strip()[:500] or response.reason_phrase, None
+        return answer.text.strip()[:500] or answer.reason, None
     if isinstance(data, Mapping):
         err = data.get("error")
         if isinstance(err, Mapping):
@@ -188,13 +213,13 @@ def error_message(response: httpx.Response) -> tuple[str, str | None]:
     return str(data)[:500], None
 
 
-def raise_for_answer(response: httpx.Response, name: str) -> None:
+def raise_for_answer(answer: Answer, name: str) -> None:
     """Maps an unsuccessful answer to the backend errors (returns on 2xx)."""
-    status = response.status_code
+    status = answer.status_code
     if 200 <= status < 300:
         return
-    message, code = error_message(response)
-    where = f"{name}: {response.request.method} {response.request.url.path}"
+    message, code = error_message(answer)
+    where = f"{name}: {answer.method} {answer.path}"
     if status == 409 and code == "unknown_trajectory":
         raise UnknownTrajectory(message)
     if 400 <= status < 500:
@@ -202,9 +227,15 @@ def raise_for_answer(response: httpx.Response, name: str) -> None:
     raise ReplicaUnavailable(f"{where} failed ({status}): {message}")
 
 
-def transport_failure(name: str, path: str, exc: httpx.RequestError) -> NoReturn:
+# What a failed call can raise below the HTTP layer: connection refused, reset or
+# closed, a timeout, an answer that is not HTTP.
+TRANSPORT_ERRORS = (httpx.RequestError, h1.TransportError, OSError, TimeoutError)
+
+
+def transport_failure(name: str, path: str, exc: BaseException) -> NoReturn:
     """Raises ``ReplicaUnavailable`` for a connection error or timeout."""
-    kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "unreachable"
+    timed_out = isinstance(exc, (httpx.TimeoutException, TimeoutError))
+    kind = "timed out" if timed_out else "unreachable"
     detail = str(exc) or type(exc).__name__
     raise ReplicaUnavailable(f"{name}: {path} {kind}: {detail}") from exc
 
@@ -216,16 +247,13 @@ def _tls_context() -> ssl.SSLContext:
 
 
 class HttpChannel:
-    """Pooled keep-alive clients bound to one base URL, with the error mapping above.
+    """Keep-alive HTTP calls to one base URL, with the error mapping above.
 
-    A channel that makes its own clients splits its connections over up to
-    ``POOL_SHARDS`` of them and sends each call through the one with the fewest calls
-    in flight: httpcore's pool checks every connection it holds (a socket poll for
-    each idle one) whenever a request starts or ends, which grows with the square of
-    the concurrency, and a hundred agent turns in flight to one replica made that the
-    client's main cost. A ``client`` passed in is used alone."""
-
-    POOL_SHARDS = 8
+    By default calls go through ``war.backends.h1``'s pool (up to ``max_connections``
+    connections, made in the event loop of the first call, and made again if a later
+    call runs in another loop). A ``client`` (``httpx.AsyncClient``) passed in is used
+    instead, with its own transport and pool (e.g. an ASGI app in process), and is not
+    closed by ``close()``."""
 
     def __init__(self, base_url: str, api_key: str | None, timeout_s: float,
                  connect_timeout_s: float, health_timeout_s: float, max_connections: int,
@@ -237,78 +265,98 @@ class HttpChannel:
                 or max_connections < 1:
             raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
         self.base_url = base_url
-        self.timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
-        self.health_timeout = httpx.Timeout(health_timeout_s)
+        self.timeout_s = float(timeout_s)
+        self.connect_timeout_s = float(min(connect_timeout_s, timeout_s))
+        self.health_timeout_s = float(health_timeout_s)
+        self.max_connections = max_connections
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._owns_client = client is None
-        if client is not None:
-            self.clients = [client]
-        else:
-            shards = min(self.POOL_SHARDS, max_connections)
-            per = max_connections // shards
-            self.clients = [
-                httpx.AsyncClient(timeout=self.timeout, verify=_tls_context(), limits=httpx.Limits(
-                    max_connections=per, max_keepalive_connections=per))
-                for _ in range(shards)]
-        self._in_flight = [0] * len(self.clients)
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        """The first (with a client passed in: the only) client."""
-        return self.clients[0]
+        self._json_headers = {**self.headers, "Content-Type": "application/json"}
+        self._h1_headers = tuple(self.headers.items())
+        self._h1_json_headers = tuple(self._json_headers.items())
+        url = urlsplit(base_url)
+        self._host = url.hostname or ""
+        self._tls = url.scheme == "https"
+        self._port = url.port or (443 if self._tls else 80)
+        self._prefix = url.path.rstrip("/")
+        self.client = client
+        self._pool: h1.Pool | None = None
+        self._pool_loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     def url(self, path: str) -> str:
         return self.base_url + path
 
+    def _h1(self) -> h1.Pool:
+        loop = asyncio.get_running_loop()
+        if self._pool is None or self._pool_loop is not loop:
+            # (a pool of an earlier, ended loop is dropped: its sockets went with it)
+            self._pool = h1.Pool(self._host, self._port,
+                                 tls=_tls_context() if self._tls else None,
+                                 max_connections=self.max_connections)
+            self._pool_loop = loop
+        return self._pool
+
     async def send(self, method: str, path: str, name: str, *,
-                   json: object = None, timeout: httpx.Timeout | None = None) -> httpx.Response:
+                   json: object = None, timeout_s: float | None = None) -> Answer:
         """One call; transport failures raise ``ReplicaUnavailable``; the answer is
         returned whatever its status."""
-        shard = min(range(len(self.clients)), key=self._in_flight.__getitem__)
-        self._in_flight[shard] += 1
+        if self._closed:
+            raise ReplicaUnavailable(f"{name}: {path} unreachable: the backend is closed")
+        total = self.timeout_s if timeout_s is None else timeout_s
+        connect = min(self.connect_timeout_s, total)
         try:
-            return await self.clients[shard].request(
-                method, self.url(path), json=json, headers=self.headers,
-                timeout=timeout if timeout is not None else self.timeout)
-        except httpx.RequestError as e:  # connect/read/write, timeouts, protocol, decoding
+            content = None if json is None else orjson.dumps(json)
+            if self.client is not None:
+                response = await self.client.request(
+                    method, self.url(path), content=content,
+                    headers=self.headers if json is None else self._json_headers,
+                    timeout=httpx.Timeout(total, connect=connect))
+                return Answer(response.status_code, response.reason_phrase, response.content,
+                              method, path)
+            answer = await self._h1().request(
+                method, self._prefix + path, body=content,
+                headers=self._h1_headers if json is None else self._h1_json_headers,
+                timeout_s=total, connect_timeout_s=connect)
+            return Answer(answer.status, answer.reason, answer.body, method, path)
+        except TRANSPORT_ERRORS as e:
             transport_failure(name, path, e)
-        finally:
-            self._in_flight[shard] -= 1
 
     async def post_json(self, path: str, body: Mapping[str, Any], name: str) -> Any:
-        response = await self.send("POST", path, name, json=body)
-        raise_for_answer(response, name)
-        return self._json(response, path, name)
+        answer = await self.send("POST", path, name, json=body)
+        raise_for_answer(answer, name)
+        return self._json(answer, path, name)
 
     async def get_json(self, path: str, name: str) -> Any:
-        response = await self.send("GET", path, name)
-        raise_for_answer(response, name)
-        return self._json(response, path, name)
+        answer = await self.send("GET", path, name)
+        raise_for_answer(answer, name)
+        return self._json(answer, path, name)
 
-    async def get_unchecked(self, path: str, name: str) -> httpx.Response:
+    async def get_unchecked(self, path: str, name: str) -> Answer:
         """A short GET whose answer is returned whatever its status (transport
         failures still raise ``ReplicaUnavailable``)."""
-        return await self.send("GET", path, name, timeout=self.health_timeout)
+        return await self.send("GET", path, name, timeout_s=self.health_timeout_s)
 
     async def health(self, path: str) -> bool:
         try:
-            response = await self.client.get(self.url(path), headers=self.headers,
-                                             timeout=self.health_timeout)
+            answer = await self.send("GET", path, "health", timeout_s=self.health_timeout_s)
         except Exception:  # health() never raises
             return False
-        return response.status_code == 200
+        return answer.status_code == 200
 
     @staticmethod
-    def _json(response: httpx.Response, path: str, name: str) -> Any:
+    def _json(answer: Answer, path: str, name: str) -> Any:
         try:
-            return response.json()
+            return answer.json()
         except ValueError as e:
             raise ReplicaUnavailable(f"{name}: {path} answered with invalid JSON") from e
 
     async def close(self) -> None:
-        if self._owns_client:
-            for client in self.clients:
-                await client.aclose()
+        """Closes the connections this channel made (not a ``client`` passed in);
+        later calls raise ``ReplicaUnavailable``."""
+        self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
 
 def finish_reason(value: object) -> str:

@@ -390,16 +390,16 @@ class OpenAICompatBackend:
         remembered). Raises ``ReplicaUnavailable`` when the server is unreachable."""
         if self._metrics_missing:
             return None
-        response = await self._http.get_unchecked("/metrics", self.name)
-        if response.status_code in (404, 405):
+        answer = await self._http.get_unchecked("/metrics", self.name)
+        if answer.status_code in (404, 405):
             self._metrics_missing = True
             return None
-        if response.status_code != 200:
-            if response.status_code >= 500:
+        if answer.status_code != 200:
+            if answer.status_code >= 500:
                 raise ReplicaUnavailable(
-                    f"{self.name}: /metrics failed ({response.status_code})")
+                    f"{self.name}: /metrics failed ({answer.status_code})")
             return None
-        return metrics_from_text(response.text)
+        return metrics_from_text(answer.text)
 
     async def load(self) -> ReplicaLoad:
         running = len(self._inflight)

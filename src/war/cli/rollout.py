@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from war import aio
 from war.engine.async_engine import AsyncEngine
 from war.rollout.envs import Task
 from war.rollout.report import plot_timeline
@@ -88,7 +89,7 @@ def _run(cfg: RunConfig, quiet: bool) -> int:
     console.print(f"[bold]WAR rollout[/] {cfg.name}: {cfg.steps} steps x {cfg.tasks_per_step} "
                   f"tasks x {cfg.group_size} samples, {cfg.replicas} replicas, "
                   f"spec {cfg.engine.spec_mode}, model {model}")
-    result = asyncio.run(_run_with_progress(cfg, console, quiet))
+    result = aio.run(_run_with_progress(cfg, console, quiet))
     console.print(summary_table(result))
     png = plot_timeline(result.timelines, result.step_bounds, result.run_dir / "report.png",
                         title=f"WAR rollout {cfg.name}")

@@ -14,11 +14,11 @@ Does not know how requests are placed (``war.router``), how replicas are reached
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from typing import TYPE_CHECKING, TypeAlias
 
+from war import aio
 from war.cli.serve import _is_loopback
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def run_route(args: argparse.Namespace) -> int:
     if not (args.api_key or os.environ.get("WAR_API_KEY")) and not _is_loopback(args.host):
         print(f"war route: warning: serving on {args.host} without an API key "
               "(set --api-key or WAR_API_KEY)", file=sys.stderr)
-    asyncio.run(_serve(app, args.host, args.port, args.log_level))
+    aio.run(_serve(app, args.host, args.port, args.log_level))
     return 0
 
 

@@ -11,13 +11,13 @@ Does not know the HTTP API (``war.engine.server``) nor how the engine works.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ipaddress
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
+from war import aio
 from war.engine.config import DTYPES, SPEC_MODES
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     engine = Engine.from_pretrained(folder, config)
-    asyncio.run(_serve(engine, args.served_model_name, api_key, args.host, args.port,
+    aio.run(_serve(engine, args.served_model_name, api_key, args.host, args.port,
                        args.log_level))
     return 0
 

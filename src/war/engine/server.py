@@ -28,7 +28,15 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -137,7 +145,7 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
-def _validation_message(exc: RequestValidationError) -> str:
+def _validation_message(exc: RequestValidationError | ValidationError) -> str:
     parts = []
     errors = list(exc.errors())
     for e in errors[:_MAX_ERRORS_SHOWN]:
@@ -152,10 +160,10 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def _wait_disconnect(receive: Receive) -> None:
     """Returns when the client hangs up (the body has been read already)."""
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
@@ -166,18 +174,35 @@ class ClientDisconnected(Exception):
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Awaits ``work``; cancels it (aborting its requests) if the client hangs up."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done() and watch.done() and not watch.cancelled() \
-                and watch.exception() is None:
-            raise ClientDisconnected
-        return await task
-    finally:
-        watch.cancel()
-        if not task.done():
+    return await _unless_hung_up(request.receive, work)
+
+
+async def _unless_hung_up(receive: Receive, work: Awaitable[T]) -> T:
+    """Awaits ``work`` in the calling task; cancels it if the client hangs up
+    (``receive``: the ASGI channel of the call, its body already read) and raises
+    ``ClientDisconnected`` then."""
+    task = asyncio.current_task()
+    assert task is not None, "called outside a task"
+    hung_up = finished = False
+
+    def on_watch_done(watch: asyncio.Future[None]) -> None:
+        nonlocal hung_up
+        # (a callback scheduled just before ``work`` ended must not cancel the caller)
+        if not finished and not watch.cancelled() and watch.exception() is None:
+            hung_up = True
             task.cancel()
+
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
+    watch.add_done_callback(on_watch_done)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if hung_up and task.uncancel() == 0:  # our cancellation, not the caller's
+            raise ClientDisconnected from None
+        raise
+    finally:
+        finished = True
+        watch.cancel()
 
 
 async def _generate_all(engine: AsyncEngine, requests: Sequence[GenRequest]) -> list[GenResult]:

@@ -14,7 +14,7 @@ Does not know how the figures are produced (``war.router.router``) nor HTTP rout
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -110,9 +110,13 @@ class RouterMetrics:
             registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                      10.0, 30.0, 60.0, 120.0, 300.0))
+        self._by_status: dict[int, Any] = {}  # status -> its counter child
 
     def observe_request(self, status: int, seconds: float) -> None:
-        self._http.labels(status=str(status)).inc()
+        child = self._by_status.get(status)
+        if child is None:
+            child = self._by_status[status] = self._http.labels(status=str(status))
+        child.inc()
         self._latency.observe(seconds)
 
     def render(self) -> bytes:

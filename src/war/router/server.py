@@ -32,11 +32,14 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from war.engine.server import (
     APIError,
@@ -45,7 +48,7 @@ from war.engine.server import (
     _BearerAuth,
     _error_response,
     _finite_logprob,
-    _unless_disconnected,
+    _unless_hung_up,
     _validation_message,
 )
 from war.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -112,8 +115,17 @@ def _is_token(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _all_ints(values: list[Any]) -> bool:
+    """Whether every element is an int (not a bool), checked at C speed."""
+    return set(map(type, values)) == {int} or all(map(_is_token, values))
+
+
 def _prompts(prompt: Any) -> list[list[int]]:
     """Token-id prompts: a list of ints, or a list of such lists."""
+    if type(prompt) is list and prompt and _all_ints(prompt):  # the common case, fast
+        if min(prompt) < 0:
+            raise APIError(400, f"prompt: token id {min(prompt)} is negative", param="prompt")
+        return [prompt]
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                    and all(isinstance(p, str) for p in prompt)):
         raise APIError(400, TEXT_PROMPT, param="prompt")
@@ -141,6 +153,20 @@ def _prompts(prompt: Any) -> list[list[int]]:
         if bad_id is not None:
             raise APIError(400, f"{where}: token id {bad_id} is negative", param="prompt")
     return prompts
+
+
+def parse_completion_body(raw: bytes) -> CompletionRequest:
+    """The ``/v1/completions`` body; ``APIError`` 400 for invalid JSON or fields."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise APIError(400, f"invalid request: the body is not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "invalid request: the body must be a JSON object")
+    try:
+        return CompletionRequest.model_validate(data)
+    except ValidationError as e:
+        raise APIError(400, _validation_message(e)) from None
 
 
 def build_requests(body: CompletionRequest, headers: Headers,
@@ -269,6 +295,9 @@ async def _generate_all(router: Router, recorder: PlacementRecorder,
             where = recorder.unwatch(request.request_id)
         return result, where
 
+    if len(requests) == 1:  # the common case: no task of its own
+        result, where = await one(requests[0])
+        return [result], [where]
     tasks = [asyncio.ensure_future(one(r)) for r in requests]
     try:
         done = await asyncio.gather(*tasks)
@@ -278,6 +307,29 @@ async def _generate_all(router: Router, recorder: PlacementRecorder,
         await asyncio.wait(tasks)
         raise
     return [r for r, _ in done], [w for _, w in done]
+
+
+MAX_BODY_BYTES = 64 << 20  # a completions body (token ids as JSON) larger than this: 413
+
+
+class RouterApp(FastAPI):
+    """The router's FastAPI app; ``POST /v1/completions`` goes straight to
+    ``fast_completions`` (a plain ASGI handler), everything else through FastAPI."""
+
+    fast_completions: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        fast = self.fast_completions
+        if fast is not None and scope["type"] == "http" and scope["method"] == "POST" \
+                and scope["path"] == "/v1/completions":
+            await fast(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+def _error_body(err: APIError) -> bytes:
+    return orjson.dumps({"error": {"message": err.message, "type": err.type,
+                                   "param": err.param, "code": err.code}})
 
 
 def create_router_app(router: Router, api_key: str | None = None,
@@ -305,8 +357,8 @@ def create_router_app(router: Router, api_key: str | None = None,
             if manage_router:
                 await router.close()
 
-    app = FastAPI(title="WAR router", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
+    app = RouterApp(title="WAR router", docs_url=None, redoc_url=None, openapi_url=None,
+                    lifespan=lifespan)
     metrics = RouterMetrics(router)
     app.state.router = router
     app.state.metrics = metrics
@@ -327,15 +379,17 @@ def create_router_app(router: Router, api_key: str | None = None,
             exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
         return _error_response(APIError(exc.status_code, str(exc.detail), kind))
 
-    @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, request: Request) -> JSONResponse:
+    async def complete(raw: bytes, headers: Headers, receive: Receive) -> tuple[int, bytes]:
+        """Status and JSON body of the answer to a completions call (``receive``: to
+        notice the client hanging up)."""
         t0 = time.perf_counter()
         status = 500
         try:
             try:
-                rid, reqs = build_requests(body, request.headers, eos)
-                results, where = await _unless_disconnected(
-                    request, _generate_all(router, recorder, reqs))
+                body = parse_completion_body(raw)
+                rid, reqs = build_requests(body, headers, eos)
+                results, where = await _unless_hung_up(receive,
+                                                       _generate_all(router, recorder, reqs))
             except UnknownTrajectory as e:  # the client resends the whole context
                 raise APIError(409, str(e), code="unknown_trajectory") from None
             except ValueError as e:  # refused by a replica
@@ -343,22 +397,57 @@ def create_router_app(router: Router, api_key: str | None = None,
             except NoReplicaAvailable as e:
                 raise APIError(503, str(e), "server_error", "no_replica_available") from None
             except ClientDisconnected:
-                status = 499
-                return _error_response(APIError(499, "client closed the request"))
+                raise APIError(499, "client closed the request") from None
             except APIError:
                 raise
             except Exception as e:  # the router's own failure: report it, keep serving
                 raise APIError(500, f"router error: {e!r}", "server_error",
                                "router_error") from None
             want = body.logprobs is not None and body.logprobs is not False
+            payload = orjson.dumps(build_response(rid, body.model or model_name, results,
+                                                  where, want))
             status = 200
-            return JSONResponse(build_response(rid, body.model or model_name, results, where,
-                                               want))
+            return status, payload
         except APIError as e:
             status = e.status
-            raise
+            return status, _error_body(e)
         finally:
             metrics.observe_request(status, time.perf_counter() - t0)
+
+    # The hot path: a plain ASGI handler ahead of FastAPI's middleware, routing and body
+    # handling, which cost more than the routing decision and the call to the replica.
+    async def completions_asgi(scope: Scope, receive: Receive, send: Send) -> None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # gone before its body arrived: nothing to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                status, payload = 413, _error_body(APIError(
+                    413, f"request body larger than {MAX_BODY_BYTES} bytes"))
+                metrics.observe_request(status, 0.0)
+                break
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                status, payload = await complete(b"".join(chunks), Headers(scope=scope),
+                                                 receive)
+                break
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+    app.fast_completions = (_BearerAuth(completions_asgi, api_key) if api_key
+                            else completions_asgi)
+
+    @app.post("/v1/completions")  # reached only by calls the fast path passes on
+    async def create_completion(request: Request) -> Response:
+        status, payload = await complete(await request.body(), request.headers,
+                                         request.receive)
+        return Response(payload, status_code=status, media_type="application/json")
 
     @app.get("/health")
     async def health() -> JSONResponse:
