@@ -23,19 +23,14 @@ from starlette.datastructures import Headers
 from test_async_engine import FakeEngine, req
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from war.api import ClientDisconnected, CompletionRequest, unless_disconnected
 from war.cli.main import main as war_main
 from war.engine.async_engine import AsyncEngine
 from war.engine.config import EngineConfig
 from war.engine.engine import Engine
 from war.engine.loader import init_random, save_model
 from war.engine.model_config import ModelConfig
-from war.engine.server import (
-    ClientDisconnected,
-    CompletionRequest,
-    _Completions,
-    _unless_disconnected,
-    create_app,
-)
+from war.engine.server import _Completions, create_app
 from war.engine.stats import EngineStats
 from war.types import GenRequest, GenResult, ReplicaLoad, SamplingParams
 
@@ -316,7 +311,7 @@ def test_client_hang_up_aborts_the_request() -> None:
         async with AsyncEngine(fake) as ae:  # type: ignore[arg-type]
             with pytest.raises(ClientDisconnected):
                 await asyncio.wait_for(
-                    _unless_disconnected(HangingUp(), ae.generate(req("gone", 10**9))),  # type: ignore[arg-type]
+                    unless_disconnected(HangingUp(), ae.generate(req("gone", 10**9))),  # type: ignore[arg-type]
                     10.0)
             for _ in range(1000):
                 if ("abort", "gone") in fake.calls:

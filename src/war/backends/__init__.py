@@ -4,20 +4,36 @@ Knows: the backends (in-process ``AsyncEngine``, a ``war serve`` replica over
 HTTP, a vLLM or SGLang server, a Ray actor, simulated and instant replicas for
 tests and benchmarks) and how a replica spec string of the command line names one
 (``make_backend``). Does not know routing; Ray is imported only when a Ray
-backend is made.
+backend is made, and torch only when ``InProcessBackend`` is first used (the router
+process needs neither).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
 from war.backends.base import Backend, ReplicaUnavailable
 from war.backends.http import WarHttpBackend
-from war.backends.inprocess import InProcessBackend
 from war.backends.openai import OpenAICompatBackend
-from war.backends.ray_actor import EngineActor, RayEngineBackend, start_ray_replica
 from war.backends.simulated import InstantBackend, SimulatedBackend
+
+if TYPE_CHECKING:
+    from war.backends.inprocess import InProcessBackend
+    from war.backends.ray_actor import EngineActor, RayEngineBackend, start_ray_replica
+
+_LAZY = {"InProcessBackend": "inprocess", "EngineActor": "ray_actor",
+         "RayEngineBackend": "ray_actor", "start_ray_replica": "ray_actor"}
+
+
+def __getattr__(name: str) -> Any:
+    """The backends that host engines import torch: only when first asked for."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"war.backends.{module}"), name)
 
 __all__ = [
     "SPEC_FORMS",

@@ -107,6 +107,7 @@ class _Connection(asyncio.Protocol):
         status = self.parser.get_status_code()
         if 100 <= status < 200:  # an interim answer: the real one follows
             self._reset()
+            self._got_bytes = True  # (the server has the request: no retry)
             return
         self._headers_done = True
         if status in (204, 304):
@@ -212,7 +213,9 @@ class Pool:
         except BaseException:
             conn.abort()  # cancelled, timed out or failed mid-call: its state is unknown
             raise
-        if not conn.closed and not self._closed:
+        if self._closed:
+            conn.close()  # the pool was closed during the call
+        elif not conn.closed:
             conn.idle_since = time.monotonic()
             conn.reused = True
             self._idle.append(conn)

@@ -11,25 +11,19 @@ import argparse
 import asyncio
 import dataclasses
 from pathlib import Path
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from war import aio
-from war.engine.async_engine import AsyncEngine
-from war.rollout.envs import Task
-from war.rollout.report import plot_timeline
-from war.rollout.run import (
-    RunConfig,
-    RunResult,
-    builtin_policy,
-    load_run_config,
-    make_replicas,
-    run_rollout,
-)
-from war.rollout.trajectory import Trajectory
+
+if TYPE_CHECKING:  # the run's modules import torch: only when a command runs
+    from war.engine.async_engine import AsyncEngine
+    from war.rollout.envs import Task
+    from war.rollout.run import RunConfig, RunResult
+    from war.rollout.trajectory import Trajectory
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
@@ -75,15 +69,22 @@ def _config(args: argparse.Namespace, base: RunConfig) -> RunConfig:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from war.rollout.run import RunConfig
+
     cfg = _config(args, RunConfig(name="demo"))
     return _run(cfg, quiet=args.quiet)
 
 
 def run_rollout_command(args: argparse.Namespace) -> int:
+    from war.rollout.run import load_run_config
+
     return _run(_config(args, load_run_config(args.config)), quiet=args.quiet)
 
 
 def _run(cfg: RunConfig, quiet: bool) -> int:
+    from war.rollout.report import plot_timeline
+    from war.rollout.run import builtin_policy
+
     console = Console()
     model = cfg.model or str(builtin_policy())
     console.print(f"[bold]WAR rollout[/] {cfg.name}: {cfg.steps} steps x {cfg.tasks_per_step} "
@@ -99,6 +100,8 @@ def _run(cfg: RunConfig, quiet: bool) -> int:
 
 
 async def _run_with_progress(cfg: RunConfig, console: Console, quiet: bool) -> RunResult:
+    from war.rollout.run import builtin_policy, make_replicas, run_rollout
+
     model_dir = Path(cfg.model) if cfg.model else builtin_policy()
     replicas = make_replicas(cfg, model_dir)
     progress = Progress(

@@ -19,190 +19,35 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    StrictStr,
-    ValidationError,
-)
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from war.api import (
+    APIError,
+    BearerAuth,
+    ClientDisconnected,
+    CompletionRequest,
+    HistoryItem,
+    HistoryRequest,
+    RLStepRequest,
+    WeightsRequest,
+    error_response,
+    finite_logprob,
+    is_token,
+    unless_disconnected,
+    validation_message,
+)
 from war.engine.async_engine import AsyncEngine, EngineClosedError, EngineLike, EngineStepError
 from war.engine.metrics import CONTENT_TYPE, ReplicaMetrics
 from war.types import GenRequest, GenResult, SamplingParams, UnknownTrajectory
-
-T = TypeVar("T")
-
-OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
-_LOGPROB_FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
-_MAX_ERRORS_SHOWN = 5
-
-
-class APIError(Exception):
-    """A request the server answers with an error body."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code
-        self.param = param
-
-
-def _error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": err.message, "type": err.type, "param": err.param,
-                      "code": err.code}}
-    return JSONResponse(body, status_code=err.status, headers=headers)
-
-
-class _Forbid(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class CompletionRequest(_Forbid):
-    """The accepted body of ``POST /v1/completions`` (unknown fields are refused)."""
-
-    model: StrictStr | None = None
-    # token ids | list of token-id lists | text | list of texts; checked by the server,
-    # whose messages are clearer than those of a four-way union
-    prompt: Any
-    max_tokens: StrictInt | None = 16
-    temperature: StrictFloat | None = 1.0
-    top_p: StrictFloat | None = 1.0
-    top_k: StrictInt | None = -1
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    seed: StrictInt | None = None
-    logprobs: StrictBool | StrictInt | None = None
-    n: StrictInt = 1
-    ignore_eos: StrictBool = False
-    stream: StrictBool = False
-    echo: StrictBool = False
-    user: StrictStr | None = None
-    request_id: StrictStr | None = None
-    trajectory_id: StrictStr | None = None
-    group_id: StrictStr | None = None
-    priority: StrictFloat | None = None
-    continues: StrictBool = False
-
-
-class HistoryItem(_Forbid):
-    token_ids: list[StrictInt]
-    group_id: StrictStr | None = None
-
-
-class WeightsRequest(_Forbid):
-    """A Hugging Face folder on the server's disk holding the new weights."""
-
-    path: StrictStr
-
-
-class RLStepRequest(_Forbid):
-    rl_step: StrictInt
-
-
-class HistoryRequest(_Forbid):
-    """``{token_ids, group_id}`` (one response) or ``{items: [...]}`` (several)."""
-
-    token_ids: list[StrictInt] | None = None
-    group_id: StrictStr | None = None
-    items: list[HistoryItem] | None = None
-
-
-class _BearerAuth:
-    """ASGI middleware: every HTTP path but ``OPEN_PATHS`` needs ``Bearer <api_key>``."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            auth = Headers(scope=scope).get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(
-                    token.strip().encode(), self._key):
-                err = APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                               "authentication_error", "invalid_api_key")
-                await _error_response(err, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _validation_message(exc: RequestValidationError | ValidationError) -> str:
-    parts = []
-    errors = list(exc.errors())
-    for e in errors[:_MAX_ERRORS_SHOWN]:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        where = ".".join(loc) or "body"
-        if e.get("type") == "extra_forbidden":
-            parts.append(f"unknown field {where!r}")
-        else:
-            parts.append(f"{where}: {e.get('msg', 'invalid')}")
-    if len(errors) > _MAX_ERRORS_SHOWN:
-        parts.append(f"... ({len(errors) - _MAX_ERRORS_SHOWN} more)")
-    return "invalid request: " + "; ".join(parts)
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    """Returns when the client hangs up (the body has been read already)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-class ClientDisconnected(Exception):
-    """The client hung up before its response was ready."""
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Awaits ``work``; cancels it (aborting its requests) if the client hangs up."""
-    return await _unless_hung_up(request.receive, work)
-
-
-async def _unless_hung_up(receive: Receive, work: Awaitable[T]) -> T:
-    """Awaits ``work`` in the calling task; cancels it if the client hangs up
-    (``receive``: the ASGI channel of the call, its body already read) and raises
-    ``ClientDisconnected`` then."""
-    task = asyncio.current_task()
-    assert task is not None, "called outside a task"
-    hung_up = finished = False
-
-    def on_watch_done(watch: asyncio.Future[None]) -> None:
-        nonlocal hung_up
-        # (a callback scheduled just before ``work`` ended must not cancel the caller)
-        if not finished and not watch.cancelled() and watch.exception() is None:
-            hung_up = True
-            task.cancel()
-
-    watch = asyncio.ensure_future(_wait_disconnect(receive))
-    watch.add_done_callback(on_watch_done)
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if hung_up and task.uncancel() == 0:  # our cancellation, not the caller's
-            raise ClientDisconnected from None
-        raise
-    finally:
-        finished = True
-        watch.cancel()
 
 
 async def _generate_all(engine: AsyncEngine, requests: Sequence[GenRequest]) -> list[GenResult]:
@@ -215,16 +60,6 @@ async def _generate_all(engine: AsyncEngine, requests: Sequence[GenRequest]) -> 
             t.cancel()
         await asyncio.wait(tasks)
         raise
-
-
-def _is_token(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _finite_logprob(x: float) -> float | None:
-    if math.isnan(x):
-        return None
-    return max(x, _LOGPROB_FLOOR)
 
 
 class _Completions:
@@ -260,19 +95,19 @@ class _Completions:
             raise APIError(400, f"{shape}; got {type(prompt).__name__}", param="prompt")
         elif not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
-        elif all(_is_token(t) for t in prompt):
+        elif all(is_token(t) for t in prompt):
             prompts = [list(prompt)]
         elif all(isinstance(p, str) for p in prompt):
             prompts = [self._encode(p) for p in prompt]
         elif all(isinstance(p, list) for p in prompt):
             for i, p in enumerate(prompt):
-                bad = next((t for t in p if not _is_token(t)), None)
+                bad = next((t for t in p if not is_token(t)), None)
                 if bad is not None:
                     raise APIError(400, f"prompt[{i}]: token ids must be ints, got {bad!r}",
                                    param="prompt")
             prompts = [list(p) for p in prompt]
         else:
-            bad = next(t for t in prompt if not _is_token(t))
+            bad = next(t for t in prompt if not is_token(t))
             raise APIError(400, f"{shape}; got the element {bad!r}", param="prompt")
         for i, ids in enumerate(prompts):
             where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -385,7 +220,7 @@ class _Completions:
             if want_logprobs:
                 logprobs = {
                     "tokens": [self._piece(t) for t in r.output_ids],
-                    "token_logprobs": [_finite_logprob(x) for x in r.logprobs],
+                    "token_logprobs": [finite_logprob(x) for x in r.logprobs],
                 }
             choices.append({"index": i, "text": text, "token_ids": list(r.output_ids),
                             "logprobs": logprobs, "finish_reason": r.finish_reason})
@@ -428,21 +263,21 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     if api_key:
-        app.add_middleware(_BearerAuth, api_key=api_key)
+        app.add_middleware(BearerAuth, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(APIError(400, _validation_message(exc)))
+        return error_response(APIError(400, validation_message(exc)))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
             exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
-        return _error_response(APIError(exc.status_code, str(exc.detail), kind))
+        return error_response(APIError(exc.status_code, str(exc.detail), kind))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> JSONResponse:
@@ -451,7 +286,7 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
         try:
             try:
                 rid, reqs = completions.build(body, request.headers)
-                results = await _unless_disconnected(
+                results = await unless_disconnected(
                     request, _generate_all(async_engine, reqs))
             except UnknownTrajectory as e:  # the client resends the whole context
                 raise APIError(409, str(e), code="unknown_trajectory") from None
@@ -459,7 +294,7 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
                 raise APIError(400, str(e)) from None
             except ClientDisconnected:
                 status = 499
-                return _error_response(APIError(499, "client closed the request"))
+                return error_response(APIError(499, "client closed the request"))
             except EngineClosedError as e:
                 raise APIError(503, str(e), "server_error", "engine_closed") from None
             except EngineStepError as e:

@@ -41,15 +41,15 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from war.engine.server import (
+from war.api import (
     APIError,
+    BearerAuth,
     ClientDisconnected,
     CompletionRequest,
-    _BearerAuth,
-    _error_response,
-    _finite_logprob,
-    _unless_hung_up,
-    _validation_message,
+    error_response,
+    finite_logprob,
+    unless_hung_up,
+    validation_message,
 )
 from war.router.metrics import CONTENT_TYPE, RouterMetrics
 from war.router.policies.base import Decision, ReplicaView, RoutingPolicy
@@ -166,7 +166,7 @@ def parse_completion_body(raw: bytes) -> CompletionRequest:
     try:
         return CompletionRequest.model_validate(data)
     except ValidationError as e:
-        raise APIError(400, _validation_message(e)) from None
+        raise APIError(400, validation_message(e)) from None
 
 
 def build_requests(body: CompletionRequest, headers: Headers,
@@ -249,7 +249,7 @@ def build_response(rid: str, model: str, results: Sequence[GenResult],
         logprobs = None
         if want_logprobs:
             logprobs = {"tokens": [f"token_id:{t}" for t in r.output_ids],
-                        "token_logprobs": [_finite_logprob(x) for x in r.logprobs]}
+                        "token_logprobs": [finite_logprob(x) for x in r.logprobs]}
         choices.append({"index": i, "text": "", "token_ids": list(r.output_ids),
                         "logprobs": logprobs, "finish_reason": r.finish_reason,
                         "replica": where})
@@ -363,21 +363,21 @@ def create_router_app(router: Router, api_key: str | None = None,
     app.state.router = router
     app.state.metrics = metrics
     if api_key:
-        app.add_middleware(_BearerAuth, api_key=api_key)
+        app.add_middleware(BearerAuth, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(APIError(400, _validation_message(exc)))
+        return error_response(APIError(400, validation_message(exc)))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
             exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
-        return _error_response(APIError(exc.status_code, str(exc.detail), kind))
+        return error_response(APIError(exc.status_code, str(exc.detail), kind))
 
     async def complete(raw: bytes, headers: Headers, receive: Receive) -> tuple[int, bytes]:
         """Status and JSON body of the answer to a completions call (``receive``: to
@@ -388,7 +388,7 @@ def create_router_app(router: Router, api_key: str | None = None,
             try:
                 body = parse_completion_body(raw)
                 rid, reqs = build_requests(body, headers, eos)
-                results, where = await _unless_hung_up(receive,
+                results, where = await unless_hung_up(receive,
                                                        _generate_all(router, recorder, reqs))
             except UnknownTrajectory as e:  # the client resends the whole context
                 raise APIError(409, str(e), code="unknown_trajectory") from None
@@ -440,7 +440,7 @@ def create_router_app(router: Router, api_key: str | None = None,
                                 (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
 
-    app.fast_completions = (_BearerAuth(completions_asgi, api_key) if api_key
+    app.fast_completions = (BearerAuth(completions_asgi, api_key) if api_key
                             else completions_asgi)
 
     @app.post("/v1/completions")  # reached only by calls the fast path passes on
