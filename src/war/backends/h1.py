@@ -75,14 +75,17 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._fail(TransportError(f"invalid HTTP answer: {e}"))
             self.close()
+        except httptools.HttpParserUpgrade:  # (not an HttpParserError)
+            self._fail(TransportError("invalid HTTP answer: a protocol upgrade"))
+            self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         waiter = self._waiter
         if waiter is None or waiter.done():
             return
-        if self._headers_done and not self._delimited:  # the body ended with the connection
-            self._complete()
+        if self._headers_done and not self._delimited and exc is None:
+            self._complete()  # the body ended with the connection (a reset is a failure)
             return
         what = "reset" if exc is not None else "closed"
         err = ConnectionClosed(f"connection {what} before the answer was complete"

@@ -289,7 +289,8 @@ class HttpChannel:
     def _h1(self) -> h1.Pool:
         loop = asyncio.get_running_loop()
         if self._pool is None or self._pool_loop is not loop:
-            # (a pool of an earlier, ended loop is dropped: its sockets went with it)
+            # (a pool of an earlier, ended loop is dropped: its loop can no longer close
+            # its sockets; they close when collected)
             self._pool = h1.Pool(self._host, self._port,
                                  tls=_tls_context() if self._tls else None,
                                  max_connections=self.max_connections)
