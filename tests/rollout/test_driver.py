@@ -120,6 +120,33 @@ def test_resume_skips_finished_trajectories(tmp_path: Path) -> None:
     assert len(read_jsonl(path)) == 6
 
 
+class FinishingReplica(ScriptedReplica):
+    """A scripted replica that, like a router, takes ended-episode reports."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finished: list[str] = []
+        self.finished_at: dict[str, int] = {}  # requests seen when the report came
+
+    def finish_trajectory(self, trajectory_id: str) -> bool:
+        self.finished.append(trajectory_id)
+        self.finished_at[trajectory_id] = len(self.requests)
+        return True
+
+
+def test_episodes_that_end_are_reported_to_a_router() -> None:
+    tasks = sample_tasks("calculator", 2, 3)
+    replica = FinishingReplica()
+    for t in tasks:
+        for g in range(2):
+            replica.script(trajectory_id(0, t.task_id, g), t)
+    out = run_step(tasks, [replica], IO, RolloutConfig(group_size=2))
+    assert sorted(replica.finished) == sorted(t.trajectory_id for t in out)
+    # each report came after the trajectory's last request
+    last = {r.trajectory_id: i for i, r in enumerate(replica.requests)}
+    assert all(replica.finished_at[tid] > i for tid, i in last.items())
+
+
 class BrokenReplica:
     async def generate(self, req: GenRequest) -> GenResult:
         raise ConnectionError("replica died")

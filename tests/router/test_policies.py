@@ -305,27 +305,41 @@ def test_war_continues_moves_only_when_its_replica_is_down() -> None:
     assert p.tree.match([1, 2, 3]) == {}  # a's tree is gone
 
 
-def test_war_groups_colocate_until_load_demands_spreading() -> None:
-    p = war(group_abs_tokens=300, group_rel=1.25, group_abs_requests=100)
+def test_war_spreads_a_group_whose_length_is_unknown() -> None:
+    # nothing tells how long group g runs: its samples (alike in length) are spread
+    # evenly, co-located with the cached prompt only among replicas holding as few
+    p = war(group_abs_tokens=10_000, group_abs_requests=100)
     f = Fleet("a", "b", "c")
-    prompt = tuple(range(1000, 1100))  # 100 tokens + 16 max tokens = 116 per sample
+    prompt = tuple(range(1000, 1100))
     placed = [f.send(p, req(f"g{i}", prompt, tid=f"g/{i}", gid="g"), float(i))
               for i in range(8)]
-    # a takes samples while a - min <= 300 (3 samples = 348 > 300 stops the 4th)
-    assert placed[:3] == ["a", "a", "a"]
-    assert placed[3] == "b"
-    assert p.stats.co_located >= 4 and p.stats.spread >= 2
-    assert set(placed) == {"a", "b", "c"}
-    # another group's prompt does not pull towards a
+    assert placed == ["a", "b", "c", "a", "b", "c", "a", "b"]
+    assert p.stats.spread == 3 and p.stats.co_located == 5  # a, b, c took it first
+
+
+def test_war_groups_colocate_within_their_work_tolerance() -> None:
+    # group g ran 2 turns of 50 tokens before: a new sample is worth 100 tokens of work
+    p = war(group_abs_tokens=10_000, group_abs_requests=100, group_rel=1.25)
+    p.progress.add_sample("g", turns=2, tokens=100, now=0.0)
+    f = Fleet("a", "b", "c")
+    prompt = tuple(range(1000, 1100))
+    placed = [f.send(p, req(f"g{i}", prompt, tid=f"g/{i}", gid="g"), float(i))
+              for i in range(6)]
+    # a takes a second sample (its work 100 <= min 0 + one sample's 100), not a third
+    assert placed[:3] == ["a", "a", "b"]
+    assert sorted(placed) == ["a", "a", "b", "b", "c", "c"]
+    assert p.committed_work() == {n: pytest.approx(200) for n in "abc"}
+    # a known short group's samples stack within the same slack; another group's
+    # prompt does not pull towards a
     other = tuple(range(5000, 5100))
-    least = min(f.names, key=lambda n: (f.tokens[n], n))
-    assert f.send(p, req("h0", other, tid="h/0", gid="h"), 9.0) == least
+    assert f.send(p, req("h0", other, tid="h/0", gid="h"), 9.0) == "a"  # all tie: name
 
 
 def test_war_groups_spread_by_requests_when_requests_are_small() -> None:
     # a few short requests never reach the token tolerance; the request count still
     # keeps one replica from queueing a whole group while another idles
-    p = war()
+    p = war(group_work_slack=100.0)  # the work rule out of the way
+    p.progress.add_sample("g", turns=1, tokens=16, now=0.0)  # a group of known length
     f = Fleet("a", "b")
     prompt = tuple(range(1000, 1100))
     placed = [f.send(p, req(f"g{i}", prompt, tid=f"g/{i}", gid="g"), float(i))
@@ -587,22 +601,22 @@ def test_every_policy_returns_a_given_healthy_replica(steps: list[tuple]) -> Non
 
 
 def test_war_counts_trajectories_between_turns_as_committed_work() -> None:
-    p = war(group_abs_tokens=100, group_rel=1.1)
+    p = war(group_abs_tokens=100, group_rel=1.1, group_work_slack=10.0)
+    p.progress.add_sample("g", turns=3, tokens=90, now=0.0)  # 90 tokens expected each
     reqs = [req(f"g{i}", tuple(range(100)), tid=f"g/{i}", gid="g", max_tokens=50)
             for i in range(4)]
-    # the group's four first turns go to a together (nothing is loaded yet)
+    # the group's four first turns go to a together (its work stays within tolerance)
     assert [p.select(r, tok_fleet(a=0, b=0), 0.0).replica for r in reqs] == ["a"] * 4
-    for r in reqs:  # their turns end; the trajectories now run tools
+    assert p.committed_work() == {"a": pytest.approx(4 * 90)}
+    for r in reqs:  # their turns end (30 tokens); the trajectories now run tools
         p.on_complete(r, res(r.request_id, (1,) * 30), "a", 1.0)
-    assert p.committed_work() == {"a": pytest.approx(4 * (100 + 30 + 50))}
+    assert p.committed_work() == {"a": pytest.approx(4 * 60)}  # 2 turns of 30 to come
     # nothing is in flight anywhere, yet a new group goes where no one is waiting
     other = req("h0", tuple(range(500, 600)), tid="h/0", gid="h")
     assert p.select(other, tok_fleet(a=0, b=0), 2.0).replica == "b"
-    # a turn in flight stops counting (tokens in flight count it); finishing forgets it
-    p.select(req("g0b", (9,), tid="g/0", gid="g", continues=True), tok_fleet(a=0, b=0), 3.0)
-    assert p.committed_work() == {"a": pytest.approx(3 * 180)}
+    # finishing forgets a trajectory's work
     p.finish_trajectory("g/1", 4.0)
-    assert p.committed_work() == {"a": pytest.approx(2 * 180)}
+    assert p.committed_work()["a"] == pytest.approx(3 * 60)
     # idle past finish_idle_s: no longer committed
     p.select(req("x", (1,)), tok_fleet(a=0, b=0), 4.0 + p.config.progress.finish_idle_s + 1)
     assert p.committed_work() == {}

@@ -245,3 +245,25 @@ def test_health_loop_runs_and_stops() -> None:
             assert r.replicas["a"].load is not None
 
     asyncio.run(main())
+
+
+def test_finish_trajectory_drops_the_context_and_tells_the_policy() -> None:
+    r, _reps, policy = router("a", "b")
+    told: list[tuple[str, float]] = []
+    policy.finish_trajectory = lambda tid, now: told.append((tid, now))  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        await r.generate(GenRequest("q0", (1, 2), SP, trajectory_id="t0", group_id="g"))
+
+    asyncio.run(main())
+    assert r.finish_trajectory("t0") is True  # the router held its context
+    assert r.finish_trajectory("t0") is False  # nothing left; the policy still hears of it
+    assert told == [("t0", 0.0), ("t0", 0.0)]
+    # a continuing turn of a finished trajectory has no context to fall back on
+    assert r._full_prompt(GenRequest("q1", (3,), SP, trajectory_id="t0",
+                                     continues=True)) is None
+    with pytest.raises(ValueError, match="trajectory_id"):
+        r.finish_trajectory("")
+    # a policy without the hook is fine
+    plain, _, _ = router("a")
+    assert plain.finish_trajectory("nobody") is False

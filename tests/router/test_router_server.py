@@ -349,3 +349,19 @@ def test_war_route_serves_and_sees_a_dead_replica() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
+
+
+def test_finish_trajectory_endpoint() -> None:
+    client, router, _a, _b = make()
+    told: list[str] = []
+    router.policy.finish_trajectory = lambda tid, now: told.append(tid)  # type: ignore[attr-defined]
+    assert post(client, {"prompt": [1, 2], "max_tokens": 1, "trajectory_id": "t"}
+                ).status_code == 200
+    r = client.post("/v1/trajectories/finish", json={"trajectory_id": "t"})
+    assert r.status_code == 200 and r.json() == {"trajectory_id": "t", "held": True}
+    assert told == ["t"]
+    for bad in ({}, {"trajectory_id": ""}, {"trajectory_id": 3}, {"trajectory_id": "t", "x": 1}):
+        r = client.post("/v1/trajectories/finish", json=bad)
+        assert r.status_code == 400, bad
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    assert post(client, {"prompt": [1], "max_tokens": 1}).status_code == 200

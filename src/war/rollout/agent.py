@@ -203,6 +203,9 @@ async def run_episode(
         builder.append_observation(new_ids)
         messages.extend(observations)
     end = clock()
+    finish_trajectory = getattr(replica, "finish_trajectory", None)
+    if callable(finish_trajectory):  # a router: its policy learns the episode's length
+        finish_trajectory(trajectory_id)
     spec = {
         "draft_tokens": float(c.draft), "accepted_tokens": float(c.accepted),
         "forward_passes": float(c.passes),

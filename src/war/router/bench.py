@@ -755,14 +755,12 @@ def _engines(config: PolicyBenchConfig, seed: int) -> list[PacedEngine]:
             for _ in range(config.num_replicas)]
 
 
-async def _run_sessions(router: Router, sessions: Sequence[Session], max_tokens: int,
-                        clock: Callable[[], float]) -> tuple[list[GenResult], float]:
+async def _run_sessions(router: Router, sessions: Sequence[Session], max_tokens: int
+                        ) -> tuple[list[GenResult], float]:
     """Runs every session (its turns one after another, all sessions at once); a
-    finished session is reported to the policy if it takes such reports
-    (``finish_trajectory``, as a rollout driver would). Returns the results and the
-    makespan."""
+    finished session is reported to the router (``finish_trajectory``, as a rollout
+    driver does). Returns the results and the makespan."""
     results: list[GenResult] = []
-    finish = getattr(router.policy, "finish_trajectory", None)
 
     async def one(s: Session) -> None:
         context = s.prompt
@@ -777,8 +775,7 @@ async def _run_sessions(router: Router, sessions: Sequence[Session], max_tokens:
             context = context + result.output_ids
             if turn < len(s.observations):
                 context = context + s.observations[turn]
-        if callable(finish):
-            finish(s.session_id, clock())
+        router.finish_trajectory(s.session_id)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(s) for s in sessions))
@@ -799,8 +796,7 @@ async def run_policy_once(config: PolicyBenchConfig, policy: str,
     makespans = []
     async with router:
         for sessions in steps:
-            got, makespan = await _run_sessions(router, sessions, config.max_tokens,
-                                                time.monotonic)
+            got, makespan = await _run_sessions(router, sessions, config.max_tokens)
             results += got
             makespans.append(makespan)
         stats = router.stats

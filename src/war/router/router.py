@@ -227,6 +227,19 @@ class Router:
                 self._share(name, result, request.group_id)
             return result
 
+    def finish_trajectory(self, trajectory_id: str) -> bool:
+        """The trajectory ended (the rollout driver knows; otherwise the policy infers it
+        from idleness): its held context is dropped and the policy, if it takes such
+        reports, counts it among its group's finished samples. Returns whether the
+        router held anything of it."""
+        if not isinstance(trajectory_id, str) or not trajectory_id:
+            raise ValueError(f"trajectory_id must be a non-empty string, got {trajectory_id!r}")
+        held = self._contexts.pop(trajectory_id, None) is not None
+        finish = getattr(self.policy, "finish_trajectory", None)
+        if callable(finish):
+            finish(trajectory_id, self._clock())
+        return held
+
     async def _send(self, rep: _Replica, request: GenRequest, full: list[int] | None) -> GenResult:
         try:
             return await rep.backend.generate(request)

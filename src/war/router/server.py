@@ -6,7 +6,8 @@ reused), how a body and the routing headers (``X-Request-Id``, ``X-Trajectory-Id
 ``Router.generate``, the response (the replica's shape, plus the name of the replica
 that served each choice), how failures map to statuses (a replica's refusal: 400; an
 unknown trajectory: 409 ``unknown_trajectory``; no replica up: 503; the app keeps
-serving), the side endpoints (``/health``, ``/v1/load``, ``/v1/models``, ``/metrics``)
+serving), the side endpoints (``/health``, ``/v1/load``, ``/v1/models``, ``/metrics``,
+``/v1/trajectories/finish``: a rollout driver reports an ended episode)
 and bearer-token auth (the replica's middleware).
 
 The router has no tokenizer and no model: prompts must be token ids, ``text`` is always
@@ -36,7 +37,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import StrictStr, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -46,6 +47,7 @@ from war.api import (
     BearerAuth,
     ClientDisconnected,
     CompletionRequest,
+    ForbidExtra,
     error_response,
     finite_logprob,
     unless_hung_up,
@@ -309,6 +311,10 @@ async def _generate_all(router: Router, recorder: PlacementRecorder,
     return [r for r, _ in done], [w for _, w in done]
 
 
+class FinishRequest(ForbidExtra):
+    trajectory_id: StrictStr
+
+
 MAX_BODY_BYTES = 64 << 20  # a completions body (token ids as JSON) larger than this: 413
 
 
@@ -448,6 +454,14 @@ def create_router_app(router: Router, api_key: str | None = None,
         status, payload = await complete(await request.body(), request.headers,
                                          request.receive)
         return Response(payload, status_code=status, media_type="application/json")
+
+    @app.post("/v1/trajectories/finish")
+    async def finish_trajectory(body: FinishRequest) -> dict[str, Any]:
+        """The rollout driver reports an ended episode (see ``Router.finish_trajectory``)."""
+        if not body.trajectory_id:
+            raise APIError(400, "trajectory_id must not be empty", param="trajectory_id")
+        held = router.finish_trajectory(body.trajectory_id)
+        return {"trajectory_id": body.trajectory_id, "held": held}
 
     @app.get("/health")
     async def health() -> JSONResponse:

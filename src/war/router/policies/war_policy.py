@@ -31,25 +31,24 @@ Rules, per request, over the healthy replicas:
    tokens; the other replicas lack its context) never moves for load: only when its
    replica is down or cannot hold it (``stats.failovers``; the router then resends
    the whole context, as it does on ``UnknownTrajectory``).
-3. Placement (new trajectories, moves, requests without a trajectory): among
-   candidates holding at least ``group_match_threshold`` of the prompt (the group's
-   shared task prompt, per the prefix tree) and not overloaded against the least
-   loaded candidate by ``group_abs_tokens`` / ``group_rel`` (both) nor in requests
-   in flight by ``group_abs_requests`` / ``group_rel`` (both), the longest match
-   wins (``stats.co_located``); if there is none, the least loaded candidate
-   (``stats.spread``). The request rule matters when requests are small against
-   the token tolerance (few, short trajectories): without it a whole group would
-   queue on one replica while another idles. So a group's samples share one
-   replica's cached prompt until that replica runs ahead of the fleet, then spill
-   to the next; the group tolerance is tighter than the stickiness one because a
-   move loses only the shared prompt, not a whole trajectory's context.
-   Placement weighs each candidate by its load score plus its *committed work*: the
-   expected remaining tokens of the trajectories placed on it (``ProgressEstimator``,
-   from their groups' earlier samples; the size of the trajectory's last request
-   while nothing is known), less the request in flight, which ``tokens_in_flight``
-   already counts. Tokens in flight miss trajectories that are running a tool and
-   the turns still to come; committed work sees them, so long groups are not
-   stacked on one replica. A trajectory stops counting when it finishes or after
+3. Placement (new trajectories, moves, requests without a trajectory): each
+   candidate's *committed work* is the expected generated tokens still to come from
+   the trajectories placed on it, in flight or between turns (``ProgressEstimator``,
+   from their groups' finished samples, else the fleet's, else one turn each). A
+   new trajectory joins its group's cached prompt (candidates holding at least
+   ``group_match_threshold`` of the prompt; the longest match wins,
+   ``stats.co_located``) unless that replica's committed work exceeds the least
+   committed candidate's by more than ``group_work_slack`` times the trajectory's
+   own expected work and by ``group_rel``, its load score by ``group_abs_tokens``
+   and ``group_rel``, or its requests in flight by ``group_abs_requests`` and
+   ``group_rel`` (both, in each pair). Otherwise the candidate with the least
+   committed work takes it (``stats.spread``). A group's samples have alike
+   lengths, so stacking them stacks the long tail: the work tolerance lets a long
+   group share a cached prompt only as far as balance allows, and a group whose
+   length nothing tells yet (no finished sample of its own) is spread evenly, its
+   prompt shared only among the replicas holding fewest of its samples. The
+   request rule matters when requests are small against the token tolerance. A
+   trajectory stops counting when it finishes (``finish_trajectory``) or after
    ``finish_idle_s`` idle.
 4. Priority: ``Decision.priority`` is the trajectory's expected remaining generated
    tokens (``ProgressEstimator``: from its group's finished samples, this step's
@@ -57,8 +56,8 @@ Rules, per request, over the healthy replicas:
    done), so replicas serve the long tail first; ``None`` (the request keeps its
    own priority) while no finished sample is known.
 
-Ties break by load, then name: the same inputs give the same decisions. Memory is
-bounded: trajectories unseen for ``trajectory_ttl_s`` are forgotten and at most
+Ties break by committed work, load, then name: the same inputs give the same
+decisions. Memory is bounded: trajectories unseen for ``trajectory_ttl_s`` are forgotten and at most
 ``max_trajectories`` are kept (also in the progress estimator, with its own
 ``ProgressConfig``); the tree keeps at most ``max_tree_tokens`` per replica.
 ``on_replica_down`` drops the replica's tree and the stickiness to it.
@@ -90,6 +89,12 @@ class WarPolicyConfig:
       trajectory with its group's cached prompt.
     * ``group_abs_requests``: the tolerance in requests in flight (with
       ``group_rel``) for placing a new trajectory with its group's cached prompt.
+    * ``group_work_slack``: the tolerance in committed work (with ``group_rel``), in
+      units of the new trajectory's own expected work: a group's samples have
+      alike lengths, so stacking more of them on one replica than this stacks its
+      long tail there.
+    * ``spread_unknown_groups``: spread the samples of a group of unknown length
+      evenly (rule 3) instead of placing them by work and tolerance alone.
     * ``group_match_threshold``: fraction of the prompt a replica must hold for it
       to count as holding the group's prefix (a group's first turns share all of
       it; other groups share a system prompt at most).
@@ -104,6 +109,8 @@ class WarPolicyConfig:
     group_abs_tokens: int = 8_192
     group_rel: float = 1.1
     group_abs_requests: int = 1
+    group_work_slack: float = 1.0
+    spread_unknown_groups: bool = True
     group_match_threshold: float = 0.5
     max_tree_tokens: int = 1 << 21
     trajectory_ttl_s: float = 1800.0
@@ -115,6 +122,8 @@ class WarPolicyConfig:
         for name in ("migrate_abs_tokens", "group_abs_tokens", "group_abs_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.group_work_slack >= 0:
+            raise ValueError(f"group_work_slack must be >= 0, got {self.group_work_slack}")
         for name in ("migrate_rel", "group_rel"):
             if not getattr(self, name) >= 1.0:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -169,7 +178,9 @@ class WarPolicy:
         self._placements: RecentMap[str, _Placement] = RecentMap(
             self.config.max_trajectories, self.config.trajectory_ttl_s)
         # committed work: trajectory -> (replica, expected remaining tokens, last seen)
-        self._committed: dict[str, tuple[str, float, float]] = {}
+        # trajectory -> (replica, expected work, last seen, group)
+        self._committed: dict[str, tuple[str, float, float, str | None]] = {}
+        self._group_counts: dict[tuple[str, str], int] = {}  # (group, replica) -> active
         self._work: dict[str, float] = {}
         self._seen: list[tuple[float, str]] = []  # (last seen, trajectory), lazy heap
 
@@ -198,14 +209,14 @@ class WarPolicy:
             self.stats.sticky += 1
         elif state is not None:  # it had a replica: down, too small, or overloaded
             others = [r for r in candidates if r.name != holder]
-            choice = self._place(request, others or candidates, loads)
+            choice = self._place(request, others or candidates, loads, tid)
             migrated = True
             if any(r.name == holder for r in candidates):
                 self.stats.migrations += 1
             else:
                 self.stats.failovers += 1
         else:
-            choice = self._place(request, candidates, loads)
+            choice = self._place(request, candidates, loads, tid)
         if not request.continues:
             self.tree.insert(request.prompt_ids, choice, now)
         priority = None
@@ -215,34 +226,62 @@ class WarPolicy:
             if cfg.progress_priority:
                 priority = remaining
             self.progress.begin(tid, request.group_id, now)
-            # this turn is in flight (tokens_in_flight counts it); what is expected
-            # beyond it stays committed to the replica
-            beyond = 0.0 if remaining is None else remaining - request.sampling.max_tokens
-            self._commit(tid, choice, max(0.0, beyond), now)
+            # everything expected of it, this turn included, is committed to the replica
+            self._commit(tid, choice, self._expected_work(remaining, request), now,
+                         request.group_id)
         elif cfg.progress_priority and request.group_id is not None:
             priority = self.progress.expected_remaining(request.group_id, 0, 0)
         return Decision(choice, priority=priority, migrated=migrated)
 
     def _place(self, request: GenRequest, candidates: list[ReplicaView],
-               loads: dict[str, float]) -> str:
-        """Rule 3: with the group's cached prompt within tolerance, else least loaded."""
+               loads: dict[str, float], tid: str | None) -> str:
+        """Rule 3: with the group's cached prompt within tolerance, else the candidate
+        with the least committed work."""
         cfg = self.config
-        loads = {r.name: loads[r.name] + self._work.get(r.name, 0.0) for r in candidates}
+        gid = request.group_id
+        mine = self._expected_work(self.progress.remaining_for(tid, gid)
+                                   if tid is not None else None, request)
+        work = {r.name: self._work.get(r.name, 0.0) for r in candidates}
+        old = self._committed.get(tid) if tid is not None else None
+        if old is not None and old[0] in work:  # a move: its work leaves its old replica
+            work[old[0]] -= old[1]
+        min_work = min(work.values())
+        # A group whose length nothing tells yet is spread evenly: its samples' lengths
+        # are alike, so stacking them gambles the replica's share of the long tail.
+        spread_group = (cfg.spread_unknown_groups and gid is not None
+                        and not self.progress.samples(gid))
+        counts = {r.name: self._group_counts.get((gid, r.name), 0) if gid is not None else 0
+                  for r in candidates}
+        min_count = min(counts.values())
         min_load = min(loads[r.name] for r in candidates)
         matched = {} if request.continues else self.tree.match(request.prompt_ids)
         need = max(1.0, cfg.group_match_threshold * len(request.prompt_ids))
         min_requests = min(r.num_requests for r in candidates)
         hits = [r for r in candidates if matched.get(r.name, 0) >= need
+                and not (spread_group and counts[r.name] > min_count)
+                and not is_imbalanced(work[r.name], min_work, cfg.group_work_slack * mine,
+                                      cfg.group_rel)
                 and not is_imbalanced(loads[r.name], min_load, cfg.group_abs_tokens,
                                       cfg.group_rel)
                 and not is_imbalanced(r.num_requests, min_requests, cfg.group_abs_requests,
                                       cfg.group_rel)]
         if hits:
             self.stats.co_located += 1
-            return min(hits, key=lambda r: (-matched[r.name], loads[r.name], r.name)).name
+            return min(hits, key=lambda r: (-matched[r.name], loads[r.name] + work[r.name],
+                                            r.name)).name
         self.stats.spread += 1
-        return min(candidates, key=lambda r: (loads[r.name], -matched.get(r.name, 0),
-                                              r.num_requests, r.name)).name
+        return min(candidates, key=lambda r: (loads[r.name] + work[r.name], counts[r.name],
+                                              -matched.get(r.name, 0), r.num_requests,
+                                              r.name)).name
+
+    def _expected_work(self, remaining: float | None, request: GenRequest) -> float:
+        """Expected generated tokens still to come from a trajectory (this turn
+        included): the progress estimate, else the fleet's, else one turn."""
+        if remaining is None:
+            remaining = self.progress.expected_remaining(None, 0, 0)
+        if remaining is None:
+            return float(request.sampling.max_tokens)
+        return max(float(remaining), 1.0)
 
     # ------------------------------------------------------------------ feedback
 
@@ -263,27 +302,42 @@ class WarPolicy:
             context = state.context_len + len(result.output_ids)
             self._placements.put(tid, _Placement(replica, context), now)
             remaining = self.progress.remaining_for(tid, request.group_id)
-            self._commit(tid, replica, float(remaining if remaining is not None
-                                             else context + request.sampling.max_tokens), now)
+            self._commit(tid, replica, self._expected_work(remaining, request), now)
 
-    def _commit(self, tid: str, replica: str, work: float, now: float) -> None:
+    def _commit(self, tid: str, replica: str, work: float, now: float,
+                group: str | None = None) -> None:
+        old = self._committed.get(tid)
+        if group is None and old is not None:
+            group = old[3]
         self._uncommit(tid)
-        self._committed[tid] = (replica, work, now)
+        self._committed[tid] = (replica, work, now, group)
         if work > 0:
             self._work[replica] = self._work.get(replica, 0.0) + work
+        if group is not None:
+            key = (group, replica)
+            self._group_counts[key] = self._group_counts.get(key, 0) + 1
         heapq.heappush(self._seen, (now, tid))
         if len(self._seen) > 4 * len(self._committed) + 64:  # drop stale heap entries
-            self._seen = [(t, k) for k, (_, _, t) in self._committed.items()]
+            self._seen = [(t, k) for k, (_, _, t, _) in self._committed.items()]
             heapq.heapify(self._seen)
 
     def _uncommit(self, tid: str) -> None:
         old = self._committed.pop(tid, None)
-        if old is not None:
-            left = self._work.get(old[0], 0.0) - old[1]
-            if left <= 1e-9:
-                self._work.pop(old[0], None)
+        if old is None:
+            return
+        replica, work, _, group = old
+        left = self._work.get(replica, 0.0) - work
+        if left <= 1e-9:
+            self._work.pop(replica, None)
+        else:
+            self._work[replica] = left
+        if group is not None:
+            key = (group, replica)
+            n = self._group_counts.get(key, 0) - 1
+            if n > 0:
+                self._group_counts[key] = n
             else:
-                self._work[old[0]] = left
+                self._group_counts.pop(key, None)
 
     def _expire_committed(self, now: float) -> None:
         horizon = now - self.config.progress.finish_idle_s
@@ -298,7 +352,7 @@ class WarPolicy:
         return dict(self._work)
 
     def on_replica_down(self, replica: str, now: float) -> None:
-        for tid in [t for t, (r, _, _) in self._committed.items() if r == replica]:
+        for tid in [t for t, (r, _, _, _) in self._committed.items() if r == replica]:
             self._uncommit(tid)
         self.tree.remove_replica(replica)
         for _, state in self._placements.items():
