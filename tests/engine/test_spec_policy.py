@@ -395,3 +395,38 @@ def test_bad_inputs() -> None:
         pol.observe_step(10, 10, -1.0)
     with pytest.raises(ValueError):
         pol.observe_verification([0.5], [True, True])
+
+
+def test_box_qp_meets_the_exhaustive_optimum() -> None:
+    from itertools import combinations
+
+    from war.engine.spec_policy import _box_qp, _faces
+
+    def brute(h: np.ndarray, g: np.ndarray, lower: np.ndarray) -> float:
+        best = float("inf")
+        n = len(g)
+        for size in range(n + 1):
+            for held in combinations(range(n), size):
+                free = [i for i in range(n) if i not in held]
+                cand = lower.copy()
+                if free:
+                    rhs = g[free] - h[np.ix_(free, list(held))] @ lower[list(held)]
+                    cand[free] = np.linalg.solve(h[np.ix_(free, free)], rhs)
+                if np.all(cand >= lower - 1e-12):
+                    best = min(best, float(cand @ h @ cand - 2 * g @ cand))
+        return best
+
+    rng = np.random.default_rng(12)
+    for _ in range(300):
+        n = int(rng.integers(1, 5))
+        a = rng.normal(size=(n + 3, n))
+        h = a.T @ a + 1e-3 * np.eye(n)
+        g = rng.normal(size=n) * 3
+        lower = rng.normal(size=n)
+        faces = _faces(n)
+        hint = faces[int(rng.integers(len(faces)))]  # any hint, right or wrong
+        best = brute(h, g, lower)
+        for got in (_box_qp(h, g, lower), _box_qp(h, g, lower, hint)):
+            assert np.all(got >= lower - 1e-12)
+            assert float(got @ h @ got - 2 * g @ got) == pytest.approx(best, rel=1e-9,
+                                                                       abs=1e-9)

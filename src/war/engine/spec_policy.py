@@ -35,6 +35,7 @@ Not thread-safe: one engine loop owns a policy.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -230,6 +231,7 @@ class StepTimeModel:
         self._weight = 0.0
         self._count = 0
         self._theta: FloatArray | None = self._prior.copy()
+        self._face: tuple[IntArray, IntArray] | None = None  # the last fit's active set
 
     @property
     def num_observations(self) -> int:
@@ -292,33 +294,66 @@ class StepTimeModel:
             s = self.config.prior_strength
             h = self._gram + s * np.eye(len(self._prior))
             g = self._moment + s * self._prior
-            self._theta = _box_qp(h, g, self._lower)
+            self._theta = _box_qp(h, g, self._lower, self._face)
+            self._face = _held_face(self._theta, self._lower)
         return self._theta
 
 
-def _box_qp(h: FloatArray, g: FloatArray, lower: FloatArray) -> FloatArray:
+def _box_qp(h: FloatArray, g: FloatArray, lower: FloatArray,
+            hint: tuple[IntArray, IntArray] | None = None) -> FloatArray:
     """Minimize ``theta' h theta - 2 g' theta`` subject to ``theta >= lower``, with ``h``
-    positive definite, by trying every active set (16 for 4 variables): the optimum is
-    the best feasible minimizer over a face."""
+    positive definite. The problem is convex, so the point that meets the KKT
+    conditions is the optimum: on some face (the variables of an active set held at
+    their bounds) the free variables solve their equations and stay above their
+    bounds, and the held ones' gradient ``2 (h theta - g)`` is non-negative. The
+    face ``hint`` (the last fit's, which rarely changes between steps) is tried
+    first, then the unconstrained solution, then faces from the fewest held
+    variables up."""
+    if hint is not None:
+        got = _on_face(h, g, lower, *hint)
+        if got is not None:
+            return got
     theta = np.linalg.solve(h, g)
     if np.all(theta >= lower):
         return np.asarray(theta, dtype=np.float64)
-    n = len(g)
-    best = lower.copy()
-    best_value = float(best @ h @ best - 2.0 * g @ best)
-    for size in range(1, n):
-        for fixed in combinations(range(n), size):
-            free = [i for i in range(n) if i not in fixed]
-            cand = lower.copy()
-            fx = list(fixed)
-            rhs = g[free] - h[np.ix_(free, fx)] @ lower[fx]
-            cand[free] = np.linalg.solve(h[np.ix_(free, free)], rhs)
-            if np.any(cand < lower):
-                continue
-            value = float(cand @ h @ cand - 2.0 * g @ cand)
-            if value < best_value:
-                best, best_value = cand, value
-    return best
+    for free, held in _faces(len(g)):
+        got = _on_face(h, g, lower, free, held)
+        if got is not None:
+            return got
+    return lower.copy()  # not reached for a positive definite ``h``
+
+
+def _on_face(h: FloatArray, g: FloatArray, lower: FloatArray, free: IntArray,
+             held: IntArray) -> FloatArray | None:
+    """The minimizer on the face holding ``held`` at their bounds, if it is the
+    optimum (module of ``_box_qp``); else None."""
+    cand = lower.copy()
+    if free.size:
+        rhs = g[free] - h[free][:, held] @ lower[held]
+        cand[free] = np.linalg.solve(h[free][:, free], rhs)
+        if np.any(cand[free] < lower[free]):
+            return None
+    if held.size:
+        grad = h[held] @ cand - g[held]
+        if np.any(grad < -1e-12 * (1.0 + np.abs(g[held]))):
+            return None
+    return cand
+
+
+def _held_face(theta: FloatArray, lower: FloatArray) -> tuple[IntArray, IntArray]:
+    at = theta <= lower
+    return np.flatnonzero(~at), np.flatnonzero(at)
+
+
+@functools.cache
+def _faces(n: int) -> tuple[tuple[IntArray, IntArray], ...]:
+    """(free, held) index arrays of every non-empty active set, fewest held first."""
+    out = []
+    for size in range(1, n + 1):
+        for held in combinations(range(n), size):
+            free = [i for i in range(n) if i not in held]
+            out.append((np.array(free, dtype=np.int64), np.array(held, dtype=np.int64)))
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------- calibration
