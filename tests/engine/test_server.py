@@ -422,3 +422,44 @@ def test_continuing_a_trajectory_over_http(client: TestClient) -> None:
                        continues=True)
     assert missing.status_code == 409
     assert missing.json()["error"]["code"] == "unknown_trajectory"
+
+
+def test_unless_hung_up_leaves_the_callers_own_cancellation_alone() -> None:
+    from war.api import unless_hung_up
+
+    async def never_hangs_up() -> dict[str, str]:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def main() -> None:
+        # the work finishes: its value comes back, the watcher is gone
+        assert await unless_hung_up(never_hangs_up, asyncio.sleep(0.01, "done")) == "done"
+        # the caller cancels: CancelledError, not ClientDisconnected
+        task = asyncio.ensure_future(unless_hung_up(never_hangs_up, asyncio.sleep(3600)))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+
+
+def test_war_aio_runs_on_uvloop_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from war import aio
+
+    async def loop_name() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert aio.run(loop_name()).startswith("uvloop")
+    real_import = builtins.__import__
+
+    def no_uvloop(name: str, *args: object, **kw: object) -> object:
+        if name == "uvloop":
+            raise ImportError("no uvloop here")
+        return real_import(name, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(builtins, "__import__", no_uvloop)
+    assert aio.loop_factory() is None
+    assert aio.run(loop_name()).startswith("asyncio")

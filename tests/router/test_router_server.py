@@ -365,3 +365,19 @@ def test_finish_trajectory_endpoint() -> None:
         assert r.status_code == 400, bad
         assert r.json()["error"]["type"] == "invalid_request_error"
     assert post(client, {"prompt": [1], "max_tokens": 1}).status_code == 200
+
+
+def test_oversized_bodies_are_413_and_the_router_keeps_serving(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import war.router.server as server
+
+    monkeypatch.setattr(server, "MAX_BODY_BYTES", 64)
+    client, _, a, _ = make()
+    r = post(client, {"prompt": list(range(100)), "max_tokens": 1})
+    assert r.status_code == 413 and "larger than 64 bytes" in r.json()["error"]["message"]
+    assert a.seen == []
+    assert post(client, {"prompt": [1], "max_tokens": 1}).status_code == 200
+    # the fast path's answers still count in the metrics, by status
+    text = client.get("/metrics").text
+    assert 'war_router_http_requests_total{status="413"} 1.0' in text
+    assert 'war_router_http_requests_total{status="200"} 1.0' in text
