@@ -63,50 +63,6 @@ def test_time_model_recovers_known_coefficients() -> None:
         truth[0] + truth[1] * 2048 + truth[2] * 1e6, rel=0.02)
 
 
-def test_time_model_separates_what_drafts_cost_beyond_other_tokens() -> None:
-    rng = np.random.default_rng(10)
-    m = StepTimeModel(StepTimeConfig(forgetting=0.999))
-    truth = (0.01, 2e-5, 1e-8, 3e-4)  # a draft token costs 2e-5 + 3e-4
-    for _ in range(2000):
-        n = int(rng.integers(1, 256))
-        k = int(rng.integers(0, 4 * n))
-        b = n + k + int(rng.integers(0, 1024))  # decodes, drafts, a prefill chunk
-        c = int(rng.integers(0, 2_000_000))
-        y = truth[0] + truth[1] * b + truth[2] * c + truth[3] * k + rng.normal(0, 2e-4)
-        m.observe(b, c, max(y, 1e-4), k)
-    got = m.coefficients
-    assert got.per_draft_token_s == pytest.approx(truth[3], rel=0.05)
-    assert got.per_token_s == pytest.approx(truth[1], rel=0.1)
-    assert m.predict(600, 10**6, 100) == pytest.approx(
-        truth[0] + truth[1] * 600 + truth[2] * 1e6 + truth[3] * 100, rel=0.02)
-    # without drafts in the data the extra cost stays at its prior (0)
-    plain = StepTimeModel()
-    for b in range(1, 500):
-        plain.observe(b, 10 * b, 0.01 + 1e-5 * b)
-    assert plain.coefficients.per_draft_token_s == pytest.approx(0.0, abs=1e-9)
-    with pytest.raises(ValueError, match="draft_tokens"):
-        m.observe(10, 10, 0.01, 11)
-    with pytest.raises(ValueError, match="draft_tokens"):
-        m.predict(10, 10, -1)
-
-
-def test_auto_buys_fewer_drafts_when_drafts_cost_more() -> None:
-    # the same steps, once with drafts as cheap as other tokens, once dearer
-    def trained(extra: float) -> SpecPolicy:
-        pol = _policy("auto", intercept=0.01, per_token=1e-5)
-        rng = np.random.default_rng(11)
-        for _ in range(400):
-            k = int(rng.integers(0, 256))
-            b = 64 + k + int(rng.integers(0, 512))  # decodes, drafts, a prefill chunk
-            pol.observe_step(b, 10**5 + b, 0.02 + 1e-4 * b + extra * k, k)
-        return pol
-
-    drafts = [np.linspace(0.9, 0.2, 6) for _ in range(64)]
-    cheap = int(trained(0.0).choose(drafts, 64, 10**5).sum())
-    dear = int(trained(1.5e-4).choose(drafts, 64, 10**5).sum())
-    assert 0 < dear < cheap
-
-
 def test_time_model_forgetting_follows_a_change_in_cost() -> None:
     rng = np.random.default_rng(1)
     m = StepTimeModel(StepTimeConfig(forgetting=0.97))

@@ -263,7 +263,7 @@ class Engine:
         elapsed = self._clock() - t0
         batch_tokens = sum(p.num_new for p in plans)
         num_drafts = sum(len(p.draft_tokens) for p in plans)
-        self.policy.observe_step(batch_tokens, context + num_drafts, elapsed, num_drafts)
+        self.policy.observe_step(batch_tokens, context + num_drafts, elapsed)
         st = self.stats
         st.num_steps += 1
         st.total_step_s += elapsed

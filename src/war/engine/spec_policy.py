@@ -14,18 +14,14 @@ sequences, ``B`` the step's tokens without drafts, ``C`` its context and ``K`` t
 draft tokens chosen::
 
     f(K) = (n + prefill_token_value * (B - n) + sum of chosen calibrated probs)
-           / predict(B + K, C + K, K)
+           / predict(B + K, C + K)
 
 Each draft token also extends its sequence's KV by one, hence ``C + K``; the
 engine must report a step's ``context_tokens`` the same way (the KV length that
-attention reads, this step's tokens included). The third feature, the step's draft
-tokens, carries what a draft token costs beyond an ordinary one (its tree mask, its
-row of the sampling distribution, its verification and the rollback of what is
-rejected): a model that charged drafts like prefill tokens would buy too many.
-
-Per sequence the calibrated probs are made non-increasing along index order (a
-running minimum), so taking tokens in descending order of probability always takes
-prefixes of every draft; the best ``K`` over that merged order is the exact optimum over all prefix
+attention reads, this step's tokens included). Per sequence the calibrated probs
+are made non-increasing along index order (a running minimum), so taking tokens
+in descending order of probability always takes prefixes of every draft; the
+best ``K`` over that merged order is the exact optimum over all prefix
 combinations, because for a fixed ``K`` the cost is fixed and the top ``K``
 values maximize the numerator. Under saturation (cost per token large next to
 the step's fixed cost) no draft token pays for itself and the budget is zero.
@@ -58,13 +54,12 @@ class StepTimeConfig:
     """Settings of ``StepTimeModel``; validated on construction.
 
     The model is ``seconds = intercept + per_token * batch_tokens + per_context_token
-    * context_tokens + per_draft_token * draft_tokens`` (the last: what a draft token
-    costs beyond being one of the batch's tokens).
+    * context_tokens``.
 
-    * ``prior_intercept_s``, ``prior_per_token_s``, ``prior_per_context_token_s``,
-      ``prior_per_draft_token_s``: the coefficients before any data, and where an
-      unidentified direction of the fit falls back to (e.g. the per-token cost
-      while every step had the same batch size).
+    * ``prior_intercept_s``, ``prior_per_token_s``, ``prior_per_context_token_s``:
+      the coefficients before any data, and where an unidentified direction of
+      the fit falls back to (e.g. the per-token cost while every step had the
+      same batch size).
     * ``prior_strength``: weight of the prior, in pseudo-observations at unit
       (scaled) features; in Bayesian terms ``noise_variance / prior_variance`` of a
       scaled coefficient, so the default ``0.01`` says "the prior is uncertain by
@@ -76,8 +71,7 @@ class StepTimeConfig:
       by this (``1``: no forgetting); the effective window is about
       ``1 / (1 - forgetting)`` steps.
     * ``min_intercept_s``: the intercept's lower bound (keeps predictions positive).
-    * ``token_scale``, ``context_scale``, ``draft_scale``: features are divided by
-      these before
+    * ``token_scale``, ``context_scale``: features are divided by these before
       fitting, so that the normal equations are well conditioned and the prior's
       strength means the same for each coefficient.
     """
@@ -85,25 +79,21 @@ class StepTimeConfig:
     prior_intercept_s: float = 0.01
     prior_per_token_s: float = 2e-5
     prior_per_context_token_s: float = 2e-8
-    prior_per_draft_token_s: float = 0.0
     prior_strength: float = 0.01
     forgetting: float = 0.99
     min_intercept_s: float = 1e-5
     token_scale: float = 1024.0
     context_scale: float = 1048576.0
-    draft_scale: float = 256.0
 
     def __post_init__(self) -> None:
         _check_float("prior_intercept_s", self.prior_intercept_s, 0.0, strict=True)
         _check_float("prior_per_token_s", self.prior_per_token_s, 0.0)
         _check_float("prior_per_context_token_s", self.prior_per_context_token_s, 0.0)
-        _check_float("prior_per_draft_token_s", self.prior_per_draft_token_s, 0.0)
         _check_float("prior_strength", self.prior_strength, 0.0, strict=True)
         _check_float("forgetting", self.forgetting, 0.0, 1.0, strict=True)
         _check_float("min_intercept_s", self.min_intercept_s, 0.0, strict=True)
         _check_float("token_scale", self.token_scale, 0.0, strict=True)
         _check_float("context_scale", self.context_scale, 0.0, strict=True)
-        _check_float("draft_scale", self.draft_scale, 0.0, strict=True)
         if self.min_intercept_s > self.prior_intercept_s:
             raise ValueError(
                 f"min_intercept_s ({self.min_intercept_s}) must be <= prior_intercept_s "
@@ -180,23 +170,20 @@ class SpecPolicyConfig:
 
 @dataclass(frozen=True)
 class StepTimeCoefficients:
-    """The time model's coefficients in seconds, seconds per token, seconds per
-    context token and extra seconds per draft token."""
+    """The time model's coefficients in seconds, seconds per token and seconds per
+    context token."""
 
     intercept_s: float
     per_token_s: float
     per_context_token_s: float
-    per_draft_token_s: float = 0.0
 
 
 class StepTimeModel:
     """Online, recency-weighted, prior-regularized least squares for a step's duration.
 
     Features: an intercept, ``batch_tokens`` (every token of the forward pass:
-    prefill chunks, one per decoding sequence, draft tokens), ``context_tokens``
-    (the KV length attention reads, summed over sequences) and ``draft_tokens`` (the
-    draft tokens verified, which cost more than other tokens: a tree mask, a row of
-    the sampling distribution and a verification each).
+    prefill chunks, one per decoding sequence, draft tokens) and
+    ``context_tokens`` (the KV length attention reads, summed over sequences).
     The number of sequences is not a feature: in decoding steps it is nearly
     collinear with ``batch_tokens`` and ``context_tokens``, so a fourth
     coefficient would be weakly identified and make the fit noisier; its
@@ -217,17 +204,15 @@ class StepTimeModel:
     def __init__(self, config: StepTimeConfig | None = None) -> None:
         self.config = config if config is not None else StepTimeConfig()
         c = self.config
-        self._scale: FloatArray = np.array([1.0, c.token_scale, c.context_scale,
-                                            c.draft_scale])
+        self._scale: FloatArray = np.array([1.0, c.token_scale, c.context_scale])
         self._prior: FloatArray = np.array([
             c.prior_intercept_s,
             c.prior_per_token_s * c.token_scale,
             c.prior_per_context_token_s * c.context_scale,
-            c.prior_per_draft_token_s * c.draft_scale,
         ])
-        self._lower: FloatArray = np.array([c.min_intercept_s, 0.0, 0.0, 0.0])
-        self._gram: FloatArray = np.zeros((4, 4))
-        self._moment: FloatArray = np.zeros(4)
+        self._lower: FloatArray = np.array([c.min_intercept_s, 0.0, 0.0])
+        self._gram: FloatArray = np.zeros((3, 3))
+        self._moment: FloatArray = np.zeros(3)
         self._weight = 0.0
         self._count = 0
         self._theta: FloatArray | None = self._prior.copy()
@@ -247,13 +232,11 @@ class StepTimeModel:
     def coefficients(self) -> StepTimeCoefficients:
         """The current fit, in unscaled units."""
         theta = self._solve() / self._scale
-        return StepTimeCoefficients(float(theta[0]), float(theta[1]), float(theta[2]),
-                                    float(theta[3]))
+        return StepTimeCoefficients(float(theta[0]), float(theta[1]), float(theta[2]))
 
-    def observe(self, batch_tokens: int, context_tokens: int, seconds: float,
-                draft_tokens: int = 0) -> None:
-        """Add one measured step (``draft_tokens`` of its ``batch_tokens`` were drafts)."""
-        x = self._features(batch_tokens, context_tokens, draft_tokens)
+    def observe(self, batch_tokens: int, context_tokens: int, seconds: float) -> None:
+        """Add one measured step."""
+        x = self._features(batch_tokens, context_tokens)
         _check_float("seconds", seconds, 0.0, strict=True)
         lam = self.config.forgetting
         self._gram *= lam
@@ -264,35 +247,26 @@ class StepTimeModel:
         self._count += 1
         self._theta = None
 
-    def predict(self, batch_tokens: int, context_tokens: int, draft_tokens: int = 0) -> float:
+    def predict(self, batch_tokens: int, context_tokens: int) -> float:
         """Predicted duration in seconds of a step with these features (positive)."""
-        return float(self._features(batch_tokens, context_tokens, draft_tokens)
-                     @ self._solve())
+        return float(self._features(batch_tokens, context_tokens) @ self._solve())
 
-    def predict_many(self, batch_tokens: IntArray, context_tokens: IntArray,
-                     draft_tokens: IntArray | int = 0) -> FloatArray:
+    def predict_many(self, batch_tokens: IntArray, context_tokens: IntArray) -> FloatArray:
         """``predict`` over arrays of non-negative features (not validated)."""
         theta = self._solve() / self._scale
         return np.asarray(
-            theta[0] + theta[1] * batch_tokens + theta[2] * context_tokens
-            + theta[3] * np.asarray(draft_tokens), dtype=np.float64
+            theta[0] + theta[1] * batch_tokens + theta[2] * context_tokens, dtype=np.float64
         )
 
-    def _features(self, batch_tokens: int, context_tokens: int,
-                  draft_tokens: int = 0) -> FloatArray:
+    def _features(self, batch_tokens: int, context_tokens: int) -> FloatArray:
         _check_count("batch_tokens", batch_tokens)
         _check_count("context_tokens", context_tokens)
-        _check_count("draft_tokens", draft_tokens)
-        if draft_tokens > batch_tokens:
-            raise ValueError(f"draft_tokens ({draft_tokens}) must be <= batch_tokens "
-                             f"({batch_tokens})")
-        return np.array([1.0, float(batch_tokens), float(context_tokens),
-                         float(draft_tokens)]) / self._scale
+        return np.array([1.0, float(batch_tokens), float(context_tokens)]) / self._scale
 
     def _solve(self) -> FloatArray:
         if self._theta is None:
             s = self.config.prior_strength
-            h = self._gram + s * np.eye(len(self._prior))
+            h = self._gram + s * np.eye(3)
             g = self._moment + s * self._prior
             self._theta = _box_qp(h, g, self._lower, self._face)
             self._face = _held_face(self._theta, self._lower)
@@ -544,7 +518,7 @@ class SpecPolicy:
             value = (n + self.config.prefill_token_value * (base_batch_tokens - n)
                      + np.concatenate(([0.0], np.cumsum(q[order]))))
             ks = np.arange(max_k + 1, dtype=np.int64)
-            cost = self.time_model.predict_many(base_batch_tokens + ks, context_tokens + ks, ks)
+            cost = self.time_model.predict_many(base_batch_tokens + ks, context_tokens + ks)
             rate = value / cost
             k = int(np.argmax(rate))
             if not rate[k] > rate[0] * (1.0 + self.config.min_gain):
@@ -552,12 +526,11 @@ class SpecPolicy:
         counts = np.bincount(seg[order[:k]], minlength=n).astype(np.int64)
         return self._record(counts, q[order[:k]], n, base_batch_tokens, context_tokens)
 
-    def observe_step(self, batch_tokens: int, context_tokens: int, seconds: float,
-                     draft_tokens: int = 0) -> None:
+    def observe_step(self, batch_tokens: int, context_tokens: int, seconds: float) -> None:
         """Learn from a measured step (see ``StepTimeModel.observe``)."""
         _check_float("seconds", seconds, 0.0, strict=True)
-        predicted = self.time_model.predict(batch_tokens, context_tokens, draft_tokens)
-        self.time_model.observe(batch_tokens, context_tokens, seconds, draft_tokens)
+        predicted = self.time_model.predict(batch_tokens, context_tokens)
+        self.time_model.observe(batch_tokens, context_tokens, seconds)
         lam = self.config.time.forgetting
         self._err_num = lam * self._err_num + abs(predicted - seconds) / seconds
         self._err_den = lam * self._err_den + 1.0
@@ -584,7 +557,7 @@ class SpecPolicy:
         self._stats = replace(
             s, steps=s.steps + 1, last_budget_total=k,
             last_budget_mean=k / n if n else 0.0, last_num_seqs=n,
-            last_predicted_s=self.time_model.predict(base + k, context + k, k),
+            last_predicted_s=self.time_model.predict(base + k, context + k),
             last_expected_tokens=(n + self.config.prefill_token_value * (base - n)
                                   + float(chosen.sum())),
         )

@@ -163,7 +163,7 @@ class SimReplica:
         drafted = sum(ks)
         batch, ctx = base + drafted, context + drafted
         dt = self.cost.step_time(len(prefills) + len(decodes), batch, ctx, drafted)
-        self.spec.observe_step(batch, ctx, dt, drafted)
+        self.spec.observe_step(batch, ctx, dt)
         self._prefills = prefills
         self._decodes = list(zip(decodes, ks, accs, strict=True))
         st = self.stats

@@ -91,8 +91,7 @@ class Speculation:
             self.policy.observe_verification(np.concatenate(seen_p), np.concatenate(seen_a))
         return ks, accs
 
-    def observe_step(self, batch_tokens: int, context_tokens: int, seconds: float,
-                     draft_tokens: int = 0) -> None:
+    def observe_step(self, batch_tokens: int, context_tokens: int, seconds: float) -> None:
         """The step's duration, for the policy's time model (deciding steps only)."""
         if self.decided:
-            self.policy.observe_step(batch_tokens, context_tokens, seconds, draft_tokens)
+            self.policy.observe_step(batch_tokens, context_tokens, seconds)
