@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 import torch
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from http_servers import serve
 
 from war.backends import (
     InProcessBackend,
@@ -85,28 +85,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
-
-
-@contextlib.contextmanager
-def serve(app: FastAPI) -> Iterator[tuple[str, uvicorn.Server]]:
-    """``app`` on a free 127.0.0.1 port, in a background thread."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            assert thread.is_alive(), "uvicorn stopped"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{port}", server
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 def asgi_backend(app: FastAPI, **kw: Any) -> WarHttpBackend:

@@ -21,9 +21,9 @@ from typing import Any
 
 import orjson
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from http_servers import serve
 
 import war.aio
 from war.backends.base import ReplicaUnavailable
@@ -1126,24 +1126,8 @@ def uvicorn_app() -> FastAPI:
 
 @pytest.fixture(scope="module")
 def uvicorn_url() -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind((LOCAL, 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(uvicorn_app(), log_level="warning",
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            assert thread.is_alive(), "uvicorn stopped"
-            time.sleep(0.01)
-        yield f"http://{LOCAL}:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serve(uvicorn_app()) as (url, _):
+        yield url
 
 
 def test_uvicorn_round_trip(arun: Run, uvicorn_url: str) -> None:
