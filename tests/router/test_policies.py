@@ -321,6 +321,8 @@ def test_war_groups_colocate_within_their_work_tolerance() -> None:
     # group g ran 2 turns of 50 tokens before: a new sample is worth 100 tokens of work
     p = war(group_abs_tokens=10_000, group_abs_requests=100, group_rel=1.25)
     p.progress.add_sample("g", turns=2, tokens=100, now=0.0)
+    assert p.progress.has_samples("g") and p.progress.has_samples(None)
+    assert not p.progress.has_samples("h")
     f = Fleet("a", "b", "c")
     prompt = tuple(range(1000, 1100))
     placed = [f.send(p, req(f"g{i}", prompt, tid=f"g/{i}", gid="g"), float(i))

@@ -259,6 +259,11 @@ class ProgressEstimator:
         table = self._global if group_id is None else self._groups.get(group_id)
         return list(table.values()) if table else []
 
+    def has_samples(self, group_id: str | None) -> bool:
+        """Whether the group (``None``: the fleet) has a finished sample."""
+        table = self._global if group_id is None else self._groups.get(group_id)
+        return bool(table)
+
     def expected_remaining(self, group_id: str | None, turns_done: int,
                            tokens_done: int) -> float | None:
         """Expected tokens still to generate by a trajectory of ``group_id`` that has

@@ -41,8 +41,9 @@ Rules, per request, over the healthy replicas:
    committed candidate's by more than ``group_work_slack`` times the trajectory's
    own expected work and by ``group_rel``, its load score by ``group_abs_tokens``
    and ``group_rel``, or its requests in flight by ``group_abs_requests`` and
-   ``group_rel`` (both, in each pair). Otherwise the candidate with the least
-   committed work takes it (``stats.spread``). A group's samples have alike
+   ``group_rel`` (both, in each pair). Otherwise the candidate with the least load
+   score plus committed work takes it (``stats.spread``; the load score counts what
+   is in flight and in KV, committed work what is still to come). A group's samples have alike
    lengths, so stacking them stacks the long tail: the work tolerance lets a long
    group share a cached prompt only as far as balance allows, and a group whose
    length nothing tells yet (no finished sample of its own) is spread evenly, its
@@ -236,7 +237,7 @@ class WarPolicy:
     def _place(self, request: GenRequest, candidates: list[ReplicaView],
                loads: dict[str, float], tid: str | None) -> str:
         """Rule 3: with the group's cached prompt within tolerance, else the candidate
-        with the least committed work."""
+        with the least load plus committed work."""
         cfg = self.config
         gid = request.group_id
         mine = self._expected_work(self.progress.remaining_for(tid, gid)
@@ -249,7 +250,7 @@ class WarPolicy:
         # A group whose length nothing tells yet is spread evenly: its samples' lengths
         # are alike, so stacking them gambles the replica's share of the long tail.
         spread_group = (cfg.spread_unknown_groups and gid is not None
-                        and not self.progress.samples(gid))
+                        and not self.progress.has_samples(gid))
         counts = {r.name: self._group_counts.get((gid, r.name), 0) if gid is not None else 0
                   for r in candidates}
         min_count = min(counts.values())
