@@ -50,6 +50,7 @@ from war.api import (
     ForbidExtra,
     error_response,
     finite_logprob,
+    is_token,
     unless_hung_up,
     validation_message,
 )
@@ -113,13 +114,9 @@ def _recorder(router: Router) -> PlacementRecorder:
     return recorder
 
 
-def _is_token(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _all_ints(values: list[Any]) -> bool:
     """Whether every element is an int (not a bool), checked at C speed."""
-    return set(map(type, values)) == {int} or all(map(_is_token, values))
+    return set(map(type, values)) == {int} or all(map(is_token, values))
 
 
 def _prompts(prompt: Any) -> list[list[int]]:
@@ -135,17 +132,17 @@ def _prompts(prompt: Any) -> list[list[int]]:
         raise APIError(400, f"{TEXT_PROMPT}; got {type(prompt).__name__}", param="prompt")
     if not prompt:
         raise APIError(400, "prompt is empty", param="prompt")
-    if all(_is_token(t) for t in prompt):
+    if all(is_token(t) for t in prompt):
         prompts = [list(prompt)]
     elif all(isinstance(p, list) for p in prompt):
         for i, p in enumerate(prompt):
-            bad = next((t for t in p if not _is_token(t)), None)
+            bad = next((t for t in p if not is_token(t)), None)
             if bad is not None:
                 raise APIError(400, f"prompt[{i}]: token ids must be ints, got {bad!r}",
                                param="prompt")
         prompts = [list(p) for p in prompt]
     else:
-        bad = next(t for t in prompt if not _is_token(t))
+        bad = next(t for t in prompt if not is_token(t))
         raise APIError(400, f"{TEXT_PROMPT}; got the element {bad!r}", param="prompt")
     for i, ids in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
