@@ -50,10 +50,14 @@ class APIError(Exception):
         self.param = param
 
 
-def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": err.message, "type": err.type, "param": err.param,
+def error_body(err: APIError) -> dict[str, Any]:
+    """The OpenAI-style error body: ``{"error": {message, type, param, code}}``."""
+    return {"error": {"message": err.message, "type": err.type, "param": err.param,
                       "code": err.code}}
-    return JSONResponse(body, status_code=err.status, headers=headers)
+
+
+def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(err), status_code=err.status, headers=headers)
 
 
 class ForbidExtra(BaseModel):

@@ -152,10 +152,6 @@ class _Connection(asyncio.Protocol):
         self.transport.write(data)
         return self._waiter
 
-    @property
-    def busy(self) -> bool:
-        return self._waiter is not None
-
     def close(self) -> None:
         self.closed = True
         if self.transport is not None:

@@ -48,6 +48,7 @@ from war.api import (
     ClientDisconnected,
     CompletionRequest,
     ForbidExtra,
+    error_body,
     error_response,
     finite_logprob,
     is_token,
@@ -331,8 +332,7 @@ class RouterApp(FastAPI):
 
 
 def _error_body(err: APIError) -> bytes:
-    return orjson.dumps({"error": {"message": err.message, "type": err.type,
-                                   "param": err.param, "code": err.code}})
+    return orjson.dumps(error_body(err))
 
 
 def create_router_app(router: Router, api_key: str | None = None,
