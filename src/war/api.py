@@ -124,14 +124,23 @@ class BearerAuth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             auth = Headers(scope=scope).get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(
-                    token.strip().encode(), self._key):
-                err = APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                               "authentication_error", "invalid_api_key")
-                await error_response(err, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            if not bearer_ok(auth, self._key):
+                await error_response(UNAUTHORIZED, {"WWW-Authenticate": "Bearer"})(
+                    scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+UNAUTHORIZED = APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                        "authentication_error", "invalid_api_key")
+
+
+def bearer_ok(authorization: str, api_key: str | bytes) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <api_key>`` (compared in
+    constant time)."""
+    key = api_key.encode() if isinstance(api_key, str) else api_key
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key)
 
 
 def validation_message(exc: RequestValidationError | ValidationError) -> str:

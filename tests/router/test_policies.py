@@ -194,6 +194,60 @@ def test_prefix_tree_heap_stays_bounded_under_repeated_touches() -> None:
     t.check_integrity()
 
 
+def _tree_state(t: PrefixTree) -> tuple[object, ...]:
+    """Every path with its holders, the per-replica totals and the eviction order."""
+    paths = []
+    stack = [((), t._root)]
+    while stack:
+        prefix, node = stack.pop()
+        for child in node.children.values():
+            path = prefix + child.key
+            paths.append((path, tuple(sorted(child.holders.items()))))
+            stack.append((path, child))
+    return (sorted(paths), dict(t._num_tokens), dict(t._num_nodes))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_prefix_tree_extend_equals_inserting_the_whole_path(data: st.DataObject) -> None:
+    """A prompt inserted at routing and extended with its output at completion leaves the
+    tree exactly as inserting prompt + output does, with evictions, replica removals
+    and other inserts in between (which can split, evict or detach the handle)."""
+    budget = data.draw(st.integers(4, 40))
+    fast, slow = PrefixTree(budget), PrefixTree(budget)
+    tokens = st.lists(st.integers(0, 3), min_size=1, max_size=12)
+    pending: list[tuple[object, tuple[int, ...], str]] = []
+    now = 0.0
+    for _ in range(data.draw(st.integers(1, 25))):
+        now += 1.0
+        op = data.draw(st.sampled_from(["route", "complete", "remove"]))
+        replica = data.draw(st.sampled_from(["a", "b"]))
+        if op == "route":
+            prompt = tuple(data.draw(tokens))
+            end = fast.insert(prompt, replica, now)
+            slow.insert(prompt, replica, now)
+            pending.append((end, prompt, replica))
+        elif op == "complete" and pending:
+            end, prompt, where = pending.pop(data.draw(st.integers(0, len(pending) - 1)))
+            output = tuple(data.draw(st.lists(st.integers(0, 3), max_size=6)))
+            fast.extend(end, prompt, output, where, now)  # type: ignore[arg-type]
+            slow.insert(prompt + output, where, now)
+        elif op == "remove":
+            fast.remove_replica(replica)
+            slow.remove_replica(replica)
+        fast.check_integrity()
+        assert _tree_state(fast) == _tree_state(slow)
+        for probe in ([0, 1, 2, 3], [1, 1, 1], [3, 2]):
+            assert fast.match(probe) == slow.match(probe)
+
+
+def test_prefix_tree_extend_without_a_handle_inserts_from_the_root() -> None:
+    t = PrefixTree(100)
+    assert t.extend(None, [1, 2], [3], "a", 0.0) is not None
+    assert t.match([1, 2, 3, 4]) == {"a": 3}
+    assert t.insert([], "a", 1.0) is None
+
+
 # ------------------------------------------------------------------ cache aware
 
 

@@ -2,8 +2,9 @@
 
 Knows the options of the command, how they become backends (``make_backend`` on each
 ``--replica`` spec), a routing policy (``make_policy``), a ``Router`` and its app, and
-how to serve the app with uvicorn, the router's health checks running for the app's
-lifetime (started and stopped by its lifespan). Binds 127.0.0.1 unless told otherwise;
+how to serve the app with ``war.router.edge`` (its completions endpoint without ASGI,
+the rest through the app), the router's health checks running for the app's lifetime
+(started and stopped by its lifespan). Binds 127.0.0.1 unless told otherwise;
 the API key comes from ``--api-key`` or ``WAR_API_KEY``. A spec or option it cannot use
 is reported on one line with exit status 2.
 
@@ -60,7 +61,7 @@ def add_route_command(commands: Subparsers) -> None:
                    help="the model name reported when a request names none (default: war)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn's log level")
+                   help="the server's log level (default: info)")
     p.set_defaults(run=run_route)
 
 
@@ -124,12 +125,23 @@ def run_route(args: argparse.Namespace) -> int:
     if not (args.api_key or os.environ.get("WAR_API_KEY")) and not _is_loopback(args.host):
         print(f"war route: warning: serving on {args.host} without an API key "
               "(set --api-key or WAR_API_KEY)", file=sys.stderr)
-    aio.run(_serve(app, args.host, args.port, args.log_level))
+    aio.settle_heap()
+    try:
+        aio.run(_serve(app, args.host, args.port, args.log_level))
+    except OSError as e:  # e.g. the port is taken
+        return _fail(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}")
+    except RuntimeError as e:  # the app's startup failed
+        return _fail(str(e))
     return 0
 
 
 async def _serve(app: FastAPI, host: str, port: int, log_level: str) -> None:
-    import uvicorn
+    import logging
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
-    await uvicorn.Server(config).serve()
+    from war.router.edge import Edge, EdgeConfig, serve
+    from war.router.server import MAX_BODY_BYTES
+
+    logging.basicConfig(format="%(levelname)s: %(message)s")
+    logging.getLogger("war.router.edge").setLevel(log_level.upper())
+    edge = Edge(app, app.state.fast_routes, EdgeConfig(max_body_bytes=MAX_BODY_BYTES))
+    await serve(edge, host, port)

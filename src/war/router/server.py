@@ -26,10 +26,11 @@ attributes are passed through).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -43,11 +44,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from war.api import (
+    UNAUTHORIZED,
     APIError,
     BearerAuth,
     ClientDisconnected,
     CompletionRequest,
     ForbidExtra,
+    bearer_ok,
     error_body,
     error_response,
     finite_logprob,
@@ -55,6 +58,7 @@ from war.api import (
     unless_hung_up,
     validation_message,
 )
+from war.router.edge import FastRoute
 from war.router.metrics import CONTENT_TYPE, RouterMetrics
 from war.router.policies.base import Decision, ReplicaView, RoutingPolicy
 from war.router.router import NoReplicaAvailable, Router
@@ -169,7 +173,15 @@ def parse_completion_body(raw: bytes) -> CompletionRequest:
         raise APIError(400, validation_message(e)) from None
 
 
-def build_requests(body: CompletionRequest, headers: Headers,
+_ID_PREFIX = f"cmpl-{uuid.uuid4().hex[:16]}-"  # this process's; unique across routers
+_id_counter = itertools.count()
+
+
+def _new_request_id() -> str:
+    return f"{_ID_PREFIX}{next(_id_counter):x}"
+
+
+def build_requests(body: CompletionRequest, headers: Mapping[str, str],
                    eos_token_ids: Sequence[int] = ()) -> tuple[str, list[GenRequest]]:
     """The response id and one ``GenRequest`` per prompt (``<id>-<i>`` when several).
     Raises ``APIError`` for a body the router refuses."""
@@ -202,7 +214,7 @@ def build_requests(body: CompletionRequest, headers: Headers,
     if any(not s for s in stop):
         raise APIError(400, "stop strings must be non-empty", param="stop")
 
-    rid = body.request_id or headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+    rid = body.request_id or headers.get("x-request-id") or _new_request_id()
     trajectory_id = body.trajectory_id or headers.get("x-trajectory-id")
     group_id = body.group_id or headers.get("x-group-id")
     priority = body.priority
@@ -335,6 +347,18 @@ def _error_body(err: APIError) -> bytes:
     return orjson.dumps(error_body(err))
 
 
+def _bearer_check(api_key: str) -> Callable[[Mapping[str, str]],
+                                            tuple[int, bytes, dict[str, str]] | None]:
+    """``FastRoute.authorize`` for ``Authorization: Bearer <api_key>``."""
+
+    def authorize(headers: Mapping[str, str]) -> tuple[int, bytes, dict[str, str]] | None:
+        if bearer_ok(headers.get("authorization", ""), api_key):
+            return None
+        return 401, _error_body(UNAUTHORIZED), {"WWW-Authenticate": "Bearer"}
+
+    return authorize
+
+
 def create_router_app(router: Router, api_key: str | None = None,
                       eos_token_ids: Sequence[int] = (), *, model_name: str = "war",
                       manage_router: bool = False) -> FastAPI:
@@ -382,17 +406,20 @@ def create_router_app(router: Router, api_key: str | None = None,
             exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
         return error_response(APIError(exc.status_code, str(exc.detail), kind))
 
-    async def complete(raw: bytes, headers: Headers, receive: Receive) -> tuple[int, bytes]:
-        """Status and JSON body of the answer to a completions call (``receive``: to
-        notice the client hanging up)."""
+    async def complete(raw: bytes, headers: Mapping[str, str],
+                       receive: Receive | None = None) -> tuple[int, bytes]:
+        """Status and JSON body of the answer to a completions call (``headers``: lower-
+        case names). ``receive``: the ASGI channel, to notice the client hanging up;
+        without it the caller cancels this on a hang-up (counted as 499)."""
         t0 = time.perf_counter()
         status = 500
         try:
             try:
                 body = parse_completion_body(raw)
                 rid, reqs = build_requests(body, headers, eos)
-                results, where = await unless_hung_up(receive,
-                                                       _generate_all(router, recorder, reqs))
+                work = _generate_all(router, recorder, reqs)
+                results, where = await (work if receive is None
+                                        else unless_hung_up(receive, work))
             except UnknownTrajectory as e:  # the client resends the whole context
                 raise APIError(409, str(e), code="unknown_trajectory") from None
             except ValueError as e:  # refused by a replica
@@ -414,8 +441,15 @@ def create_router_app(router: Router, api_key: str | None = None,
         except APIError as e:
             status = e.status
             return status, _error_body(e)
+        except asyncio.CancelledError:
+            status = 499  # the client hung up (or the server is stopping)
+            raise
         finally:
             metrics.observe_request(status, time.perf_counter() - t0)
+
+    def too_large() -> tuple[int, bytes]:
+        metrics.observe_request(413, 0.0)
+        return 413, _error_body(APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes"))
 
     # The hot path: a plain ASGI handler ahead of FastAPI's middleware, routing and body
     # handling, which cost more than the routing decision and the call to the replica.
@@ -429,9 +463,7 @@ def create_router_app(router: Router, api_key: str | None = None,
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > MAX_BODY_BYTES:
-                status, payload = 413, _error_body(APIError(
-                    413, f"request body larger than {MAX_BODY_BYTES} bytes"))
-                metrics.observe_request(status, 0.0)
+                status, payload = too_large()
                 break
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -445,6 +477,10 @@ def create_router_app(router: Router, api_key: str | None = None,
 
     app.fast_completions = (BearerAuth(completions_asgi, api_key) if api_key
                             else completions_asgi)
+    # the same endpoint for ``war.router.edge`` (``war route``), without ASGI
+    app.state.fast_routes = {("POST", "/v1/completions"): FastRoute(
+        handle=complete, too_large=too_large,
+        authorize=_bearer_check(api_key) if api_key else FastRoute.authorize)}
 
     @app.post("/v1/completions")  # reached only by calls the fast path passes on
     async def create_completion(request: Request) -> Response:

@@ -55,7 +55,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from war.router.policies.base import Decision, ReplicaView
-from war.router.policies.prefix_tree import PrefixTree
+from war.router.policies.prefix_tree import PendingEnds, PrefixTree
 from war.router.policies.round_robin import healthy_sorted
 from war.types import GenRequest, GenResult
 
@@ -100,6 +100,7 @@ class CacheAwarePolicy:
     def __init__(self, config: CacheAwareConfig | None = None) -> None:
         self.config = config if config is not None else CacheAwareConfig()
         self.tree = PrefixTree(self.config.max_tree_tokens)
+        self._ends = PendingEnds()  # request -> where its prompt's path ends
         self._trajectories: OrderedDict[str, str | None] = OrderedDict()
         self.num_cache_hits = 0
         self.num_balanced_misses = 0
@@ -115,7 +116,7 @@ class CacheAwarePolicy:
             return Decision(held)
         choice = self._choose(request, healthy)
         if not request.continues:
-            self.tree.insert(request.prompt_ids, choice, now)
+            self._ends.put(request.request_id, self.tree.insert(request.prompt_ids, choice, now))
         self._remember(tid, choice)
         return Decision(choice, migrated=known and held != choice)
 
@@ -147,8 +148,9 @@ class CacheAwarePolicy:
 
     def on_complete(self, request: GenRequest, result: GenResult | None, replica: str,
                     now: float) -> None:
+        end = self._ends.pop(request.request_id)
         if result is not None and not request.continues:
-            self.tree.insert(request.prompt_ids + result.output_ids, replica, now)
+            self.tree.extend(end, request.prompt_ids, result.output_ids, replica, now)
 
     def on_replica_down(self, replica: str, now: float) -> None:
         self.tree.remove_replica(replica)

@@ -17,7 +17,9 @@ on the query's path that it holds. A node nobody holds is removed.
 
 Costs: ``match`` and ``insert`` walk one node per branching point and compare
 edges with slice comparisons, so a prompt of thousands of tokens costs a few
-C-level tuple compares per node, not a Python step per token. Eviction pops a
+C-level tuple compares per node, not a Python step per token; ``extend`` continues
+an earlier insert's path (a prompt, then its response) from where it ended, touching
+the path's nodes without comparing its tokens again. Eviction pops a
 per-replica heap of leaf candidates ordered by last touch (stale entries are
 skipped, and the heap is compacted when it grows past twice the replica's nodes).
 Eviction works on whole nodes, so a replica may end slightly below its budget.
@@ -53,6 +55,31 @@ def _common_len(key: tuple[int, ...], tokens: tuple[int, ...], pos: int) -> int:
     while i < m and tokens[pos + i] == key[i]:
         i += 1
     return i
+
+
+PathEnd = _Node  # where an inserted path ends; opaque to callers (``PrefixTree.extend``)
+
+
+class PendingEnds:
+    """Request id -> the ``PathEnd`` of its prompt, from routing to completion, for
+    ``PrefixTree.extend``; at most ``capacity`` (the oldest are forgotten: their
+    completion then walks the whole path)."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._ends: dict[str, PathEnd | None] = {}
+
+    def put(self, request_id: str, end: PathEnd | None) -> None:
+        self._ends.pop(request_id, None)
+        self._ends[request_id] = end
+        if len(self._ends) > self.capacity:
+            del self._ends[next(iter(self._ends))]
+
+    def pop(self, request_id: str) -> PathEnd | None:
+        return self._ends.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._ends)
 
 
 class PrefixTree:
@@ -105,30 +132,68 @@ class PrefixTree:
 
     # ---------------------------------------------------------------- mutations
 
-    def insert(self, tokens: Sequence[int], replica: str, now: float) -> None:
+    def insert(self, tokens: Sequence[int], replica: str, now: float) -> PathEnd | None:
         """Records that ``replica`` holds ``tokens`` (touched at ``now``), then evicts
-        the replica's least recently used leaves while it is over budget."""
+        the replica's least recently used leaves while it is over budget. Returns the
+        end of the path (for ``extend``; None for no tokens)."""
         toks = tuple(tokens)
         if not toks:
-            return
-        node, pos, n = self._root, 0, len(toks)
+            return None
+        return self._insert_from(self._root, toks, replica, now)
+
+    def extend(self, end: PathEnd | None, path: Sequence[int], tokens: Sequence[int],
+               replica: str, now: float) -> PathEnd | None:
+        """``insert(path + tokens)``, where ``end`` is what ``insert(path)`` returned:
+        touches the path's nodes and appends ``tokens`` from ``end`` without comparing
+        the path's tokens again. When ``end`` is None or no longer in the tree (every
+        replica evicted it since), inserts ``path + tokens`` from the root instead."""
+        if end is None:
+            return self.insert(tuple(path) + tuple(tokens), replica, now)
+        nodes = []
+        node = end
+        while node is not self._root:
+            parent = node.parent
+            if parent is None or parent.children.get(node.key[0]) is not node:
+                return self.insert(tuple(path) + tuple(tokens), replica, now)  # detached
+            nodes.append(node)
+            node = parent
+        for node in reversed(nodes):
+            self._touch(node, replica, now)
+        return self._insert_from(end, tuple(tokens), replica, now)
+
+    def _insert_from(self, start: _Node, toks: tuple[int, ...], replica: str,
+                     now: float) -> _Node:
+        """Inserts ``toks`` below ``start`` (whose path the caller touched), pushes the
+        end as a leaf candidate and evicts over budget; returns the end. (The hot
+        loop of the router's policies: ``_touch`` is inlined.)"""
+        num_tokens, num_nodes = self._num_tokens, self._num_nodes
+        node, pos, n = start, 0, len(toks)
         while pos < n:
-            child = node.children.get(toks[pos])
+            first = toks[pos]
+            child = node.children.get(first)
             if child is None:
-                child = _Node(toks[pos:], node)
-                node.children[toks[pos]] = child
+                child = _Node(toks[pos:] if pos else toks, node)
+                node.children[first] = child
                 pos = n
             else:
-                k = _common_len(child.key, toks, pos)
-                if k < len(child.key):
+                key = child.key
+                k = len(key)
+                if toks[pos:pos + k] != key:  # the edge does not match whole: split it
+                    k = _common_len(key, toks, pos)
                     child = self._split(child, k)
                 pos += k
-            self._touch(child, replica, now)
+            holders = child.holders
+            if replica not in holders:
+                num_tokens[replica] = num_tokens.get(replica, 0) + len(child.key)
+                num_nodes[replica] = num_nodes.get(replica, 0) + 1
+            holders[replica] = now
             node = child
         # the end of the path: a leaf of this replica unless it holds something deeper
-        self._push(replica, node)
-        if self._num_tokens[replica] > self.max_tokens_per_replica:
+        if node is not self._root:
+            self._push(replica, node)
+        if num_tokens.get(replica, 0) > self.max_tokens_per_replica:
             self.evict(replica, self.max_tokens_per_replica)
+        return node
 
     def evict(self, replica: str, max_tokens: int) -> int:
         """Evicts ``replica``'s least recently used leaves until it holds at most

@@ -248,11 +248,16 @@ class ProgressEstimator:
 
     def progress(self, trajectory_id: str) -> Progress | None:
         """The trajectory's progress, if tracked."""
-        for table in (self._active, self._idle, self._done):
-            t = table.get(trajectory_id)
-            if t is not None:
-                return Progress(t.group_id, t.turns, t.tokens, t.in_flight)
-        return None
+        t = self._find(trajectory_id)
+        return None if t is None else Progress(t.group_id, t.turns, t.tokens, t.in_flight)
+
+    def _find(self, trajectory_id: str) -> _Traj | None:
+        t = self._active.get(trajectory_id)
+        if t is None:
+            t = self._idle.get(trajectory_id)
+            if t is None:
+                t = self._done.get(trajectory_id)
+        return t
 
     def samples(self, group_id: str | None) -> list[Sample]:
         """The group's finished samples (``None``: the fleet-wide ones), oldest first."""
@@ -296,10 +301,11 @@ class ProgressEstimator:
     def remaining_for(self, trajectory_id: str, group_id: str | None) -> float | None:
         """``expected_remaining`` for a tracked trajectory's own progress (an unknown
         one: nothing done yet)."""
-        p = self.progress(trajectory_id)
-        turns, tokens = (p.turns, p.tokens) if p is not None else (0, 0)
-        gid = group_id if group_id is not None else (p.group_id if p is not None else None)
-        return self.expected_remaining(gid, turns, tokens)
+        t = self._find(trajectory_id)
+        if t is None:
+            return self.expected_remaining(group_id, 0, 0)
+        return self.expected_remaining(group_id if group_id is not None else t.group_id,
+                                       t.turns, t.tokens)
 
     def num_tracked(self) -> int:
         return len(self._active) + len(self._idle) + len(self._done)
@@ -326,6 +332,8 @@ class ProgressEstimator:
 
     def _bound(self) -> None:
         cap = self.config.max_trajectories
+        if len(self._active) + len(self._idle) + len(self._done) <= cap:
+            return
         while self.num_tracked() > cap and self._done:
             self._done.popitem(last=False)
         while self.num_tracked() > cap and self._idle:
@@ -337,11 +345,12 @@ class ProgressEstimator:
     # ------------------------------------------------------------------ internals
 
     def _take(self, trajectory_id: str) -> _Traj | None:
-        for table in (self._active, self._idle, self._done):
-            t = table.pop(trajectory_id, None)
-            if t is not None:
-                return t
-        return None
+        t = self._active.pop(trajectory_id, None)
+        if t is None:
+            t = self._idle.pop(trajectory_id, None)
+            if t is None:
+                t = self._done.pop(trajectory_id, None)
+        return t
 
     def _settle(self, trajectory_id: str, t: _Traj, now: float) -> None:
         """Puts ``t`` back after one of its requests ended."""

@@ -8,15 +8,18 @@ policy starts from.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from war.router.policies.base import Decision, ReplicaView
 from war.types import GenRequest, GenResult
+
+_by_name = attrgetter("name")
 
 
 def healthy_sorted(replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
     """The healthy replicas sorted by name (policies break ties by name, so their
     decisions do not depend on the order the router lists replicas in)."""
-    healthy = sorted((r for r in replicas if r.healthy), key=lambda r: r.name)
+    healthy = sorted([r for r in replicas if r.healthy], key=_by_name)
     if not healthy:
         raise ValueError("no healthy replica to choose from")
     return healthy

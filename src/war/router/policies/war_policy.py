@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 
 from war.router.policies.base import Decision, ReplicaView
 from war.router.policies.cache_aware import is_imbalanced
-from war.router.policies.prefix_tree import PrefixTree
+from war.router.policies.prefix_tree import PendingEnds, PrefixTree
 from war.router.policies.progress import ProgressConfig, ProgressEstimator, RecentMap
 from war.router.policies.round_robin import healthy_sorted
 from war.types import GenRequest, GenResult
@@ -174,6 +174,7 @@ class WarPolicy:
     def __init__(self, config: WarPolicyConfig | None = None) -> None:
         self.config = config if config is not None else WarPolicyConfig()
         self.tree = PrefixTree(self.config.max_tree_tokens)
+        self._ends = PendingEnds()  # request -> where its prompt's path ends
         self.progress = ProgressEstimator(self.config.progress)
         self.stats = WarPolicyStats()
         self._placements: RecentMap[str, _Placement] = RecentMap(
@@ -219,7 +220,7 @@ class WarPolicy:
         else:
             choice = self._place(request, candidates, loads, tid)
         if not request.continues:
-            self.tree.insert(request.prompt_ids, choice, now)
+            self._ends.put(request.request_id, self.tree.insert(request.prompt_ids, choice, now))
         priority = None
         if tid is not None:
             self._placements.put(tid, _Placement(choice, context_len), now)
@@ -289,12 +290,13 @@ class WarPolicy:
     def on_complete(self, request: GenRequest, result: GenResult | None, replica: str,
                     now: float) -> None:
         tid = request.trajectory_id
+        end = self._ends.pop(request.request_id)
         if result is None:
             if tid is not None:
                 self.progress.abort(tid, now)
             return
         if not request.continues:
-            self.tree.insert(request.prompt_ids + result.output_ids, replica, now)
+            self.tree.extend(end, request.prompt_ids, result.output_ids, replica, now)
         if tid is None:
             return
         self.progress.observe(tid, request.group_id, len(result.output_ids), now)

@@ -1,0 +1,355 @@
+"""``war.router.edge``: the HTTP/1.1 server of ``war route``, over loopback sockets.
+
+Fast routes and the ASGI fallback, keep-alive and pipelining (answers in order),
+chunked and ``Expect: 100-continue`` request bodies, HTTP/1.0, ``Connection: close``,
+413 and 400 (the connection closes, the server keeps serving), streamed ASGI
+responses, HEAD, a client hanging up (the fast handler is cancelled), the idle
+timeout, the lifespan, a graceful stop, and the router's app served by it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from test_router_server import KEY, FirstHealthy, Scripted
+
+from war.router.edge import Edge, EdgeConfig, FastRoute
+from war.router.router import Router
+from war.router.server import create_router_app
+
+
+class Echo:
+    """A fast route that echoes its body and headers; ``hold`` keeps it waiting until
+    released (to test hang-ups and ordering)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bytes, dict[str, str]]] = []
+        self.cancelled = 0
+        self.too_large_calls = 0
+        self.hold: asyncio.Event | None = None
+        self.delays: dict[bytes, float] = {}
+
+    async def handle(self, body: bytes, headers: Mapping[str, str]) -> tuple[int, bytes]:
+        self.calls.append((body, dict(headers)))
+        try:
+            if self.hold is not None:
+                await self.hold.wait()
+            await asyncio.sleep(self.delays.get(body, 0.0))
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return 200, orjson.dumps({"body": body.decode(), "n": len(self.calls)})
+
+    def too_large(self) -> tuple[int, bytes]:
+        self.too_large_calls += 1
+        return 413, b'{"error": "too large (route)"}'
+
+    def route(self, key: str | None = None) -> FastRoute:
+        def authorize(headers: Mapping[str, str]) -> tuple[int, bytes, dict[str, str]] | None:
+            if key is None or headers.get("authorization") == f"Bearer {key}":
+                return None
+            return 401, b'{"error": "key"}', {"WWW-Authenticate": "Bearer"}
+        return FastRoute(self.handle, self.too_large, authorize)
+
+
+def side_app(events: list[str]) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        events.append("startup")
+        yield {"greeting": "hi"}
+        events.append("shutdown")
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"ok": True}
+
+    @app.post("/echo")
+    async def echo(body: dict[str, Any]) -> dict[str, Any]:
+        return body
+
+    @app.get("/stream")
+    async def stream() -> StreamingResponse:
+        async def parts() -> AsyncIterator[bytes]:
+            for i in range(3):
+                yield f"part{i};".encode()
+        return StreamingResponse(parts(), media_type="text/plain")
+
+    @app.get("/boom")
+    async def boom() -> dict[str, Any]:
+        raise RuntimeError("boom")
+
+    return app
+
+
+@contextlib.contextmanager
+def running(app: Any, routes: Mapping[tuple[str, str], FastRoute],
+            config: EdgeConfig | None = None) -> Iterator[tuple[str, int, Edge]]:
+    """The edge on a free 127.0.0.1 port, its loop in a thread; stopped on exit."""
+    edge = Edge(app, routes, config)
+    ready = threading.Event()
+    loop = asyncio.new_event_loop()
+    stop: list[asyncio.Event] = []
+    failure: list[BaseException] = []
+
+    async def main() -> None:
+        stop.append(asyncio.Event())
+        try:
+            await edge.start("127.0.0.1", 0)
+        except BaseException as e:
+            failure.append(e)
+            ready.set()
+            return
+        ready.set()
+        await stop[0].wait()
+        await edge.stop()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    assert ready.wait(10), "the edge did not start"
+    if failure:
+        raise failure[0]
+    assert edge.sockname is not None
+    try:
+        yield edge.sockname[0], edge.sockname[1], edge
+    finally:
+        loop.call_soon_threadsafe(stop[0].set)
+        thread.join(20)
+        loop.close()
+
+
+def raw(port: int, data: bytes, *, wait_close: bool = True, timeout: float = 5.0) -> bytes:
+    """Sends ``data`` on a new connection; returns what comes back until the server
+    closes (or ``timeout``)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                break
+            if not chunk:
+                return out
+            out += chunk
+            if not wait_close and out.count(b"HTTP/1.1") >= 1 and b"\r\n\r\n" in out:
+                break
+        assert not wait_close, f"the server did not close the connection: {out!r}"
+        return out
+
+
+def post(path: str, body: bytes, extra: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+            ).encode() + body
+
+
+def test_fast_route_and_asgi_side_routes_with_lifespan() -> None:
+    events: list[str] = []
+    echo = Echo()
+    with running(side_app(events), {("POST", "/v1/completions"): echo.route()}) as (h, p, _):
+        assert events == ["startup"]
+        with httpx.Client(base_url=f"http://{h}:{p}") as c:
+            r = c.post("/v1/completions", content=b"abc",
+                       headers={"X-Trajectory-Id": "t1", "content-type": "application/json"})
+            assert r.status_code == 200 and r.json() == {"body": "abc", "n": 1}
+            assert r.headers["content-type"] == "application/json" and "date" in r.headers
+            assert echo.calls[0][1]["x-trajectory-id"] == "t1"  # lower-case names
+            assert c.get("/health").json() == {"ok": True}
+            assert c.post("/echo", json={"a": [1, 2]}).json() == {"a": [1, 2]}
+            assert c.get("/nowhere").status_code == 404
+            assert c.get("/v1/completions").status_code in (404, 405)  # GET: not the fast route
+            # the same keep-alive connection served all of them
+            assert c.post("/v1/completions", content=b"x").json()["n"] == 2
+    assert events == ["startup", "shutdown"]
+
+
+def test_pipelined_requests_are_answered_in_order() -> None:
+    echo = Echo()
+    echo.delays = {b"slow": 0.2}
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}) as (_, p, _e):
+        data = (post("/v1/completions", b"slow") + post("/v1/completions", b"fast")
+                + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        out = raw(p, data)
+    answers = out.split(b"HTTP/1.1 ")[1:]
+    assert len(answers) == 3, out
+    assert b'"body":"slow"' in answers[0] and b'"body":"fast"' in answers[1]
+    assert b'{"ok":true}' in answers[2] and b"connection: close" in answers[2]
+
+
+def test_chunked_bodies_expect_continue_and_http10() -> None:
+    echo = Echo()
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}) as (_, p, _e):
+        chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                   b"Connection: close\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+        assert b'"body":"abcde"' in raw(p, chunked)
+        expect = "Expect: 100-continue\r\nConnection: close\r\n"
+        out = raw(p, post("/v1/completions", b"hey", expect))
+        assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK") and b"hey" in out
+        # HTTP/1.0 without keep-alive: answered, then closed
+        out = raw(p, b"POST /v1/completions HTTP/1.0\r\nContent-Length: 2\r\n\r\nok")
+        assert out.startswith(b"HTTP/1.1 200 OK") and b"connection: close" in out
+
+
+def test_oversized_bodies_get_413_and_the_server_keeps_serving() -> None:
+    echo = Echo()
+    routes = {("POST", "/v1/completions"): echo.route()}
+    with running(side_app([]), routes, EdgeConfig(max_body_bytes=10)) as (h, p, _):
+        out = raw(p, post("/v1/completions", b"x" * 11))
+        assert out.startswith(b"HTTP/1.1 413") and b"too large (route)" in out
+        assert echo.too_large_calls == 1 and echo.calls == []
+        # chunked past the limit; and a side route's 413 has a body of its own
+        out = raw(p, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+                     b"\r\n\r\n6\r\nabcdef\r\n6\r\nghijkl\r\n0\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 413") and echo.too_large_calls == 2
+        out = raw(p, post("/echo", b"{" + b" " * 20 + b"}"))
+        assert out.startswith(b"HTTP/1.1 413") and b"larger than 10 bytes" in out
+        # a request answered before the oversized one on the same connection still is
+        out = raw(p, post("/v1/completions", b"ok") + post("/v1/completions", b"y" * 50))
+        assert out.count(b"HTTP/1.1 ") == 2 and b'"body":"ok"' in out
+        assert b"HTTP/1.1 413" in out
+        with httpx.Client(base_url=f"http://{h}:{p}") as c:
+            assert c.post("/v1/completions", content=b"small").status_code == 200
+
+
+def test_malformed_requests_and_upgrades() -> None:
+    echo = Echo()
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}) as (h, p, _):
+        out = raw(p, b"THIS IS NOT HTTP\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 400") and b"malformed" in out
+        out = raw(p, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                     b"Upgrade: h2c\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 200") and b'{"ok":true}' in out  # then closed
+        with httpx.Client(base_url=f"http://{h}:{p}") as c:
+            assert c.get("/health").status_code == 200
+
+
+def test_streamed_head_and_failing_asgi_responses() -> None:
+    with running(side_app([]), {}) as (h, p, _):
+        out = raw(p, b"GET /stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert b"transfer-encoding: chunked" in out.lower()
+        with httpx.Client(base_url=f"http://{h}:{p}") as c:
+            assert c.get("/stream").text == "part0;part1;part2;"
+            r = c.head("/health")
+            assert r.status_code in (200, 405) and r.content == b""
+        out = raw(p, b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 500")
+        with httpx.Client(base_url=f"http://{h}:{p}") as c:
+            assert c.get("/health").status_code == 200
+
+
+def test_authorize_refuses_before_the_handler_runs() -> None:
+    echo = Echo()
+    routes = {("POST", "/v1/completions"): echo.route(KEY)}
+    with running(side_app([]), routes) as (h, p, _), \
+            httpx.Client(base_url=f"http://{h}:{p}") as c:
+        r = c.post("/v1/completions", content=b"a")
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert echo.calls == []
+        r = c.post("/v1/completions", content=b"a", headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200
+
+
+def test_a_client_hanging_up_cancels_the_fast_handler() -> None:
+    echo = Echo()
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}) as (h, p, _):
+        echo.hold = asyncio.Event()  # (created here, used on the edge's loop only)
+        with socket.create_connection(("127.0.0.1", p), timeout=5) as s:
+            s.sendall(post("/v1/completions", b"wait"))
+            deadline = time.monotonic() + 5
+            while not echo.calls and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert echo.calls, "the handler did not start"
+        deadline = time.monotonic() + 5
+        while echo.cancelled == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert echo.cancelled == 1
+        echo.hold = None
+        with httpx.Client(base_url=f"http://{h}:{p}") as c:
+            assert c.post("/v1/completions", content=b"next").status_code == 200
+
+
+def test_idle_connections_close_after_the_keepalive_timeout() -> None:
+    echo = Echo()
+    config = EdgeConfig(keepalive_s=0.3)
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}, config) as (
+            _, p, edge):
+        with socket.create_connection(("127.0.0.1", p), timeout=5) as s:
+            s.sendall(post("/v1/completions", b"a"))
+            first = s.recv(65536)
+            assert first.startswith(b"HTTP/1.1 200")
+            t0 = time.monotonic()
+            assert s.recv(65536) == b""  # closed by the server when idle
+            assert 0.1 < time.monotonic() - t0 < 3.0
+        assert len(edge.connections) == 0
+
+
+def test_stop_waits_for_requests_in_flight() -> None:
+    echo = Echo()
+    echo.delays = {b"slow": 0.3}
+    results: list[int] = []
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}) as (h, p, _):
+        def call() -> None:
+            results.append(httpx.post(f"http://{h}:{p}/v1/completions", content=b"slow",
+                                      timeout=10).status_code)
+        t = threading.Thread(target=call)
+        t.start()
+        deadline = time.monotonic() + 5
+        while not echo.calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+    t.join(10)
+    assert results == [200]
+
+
+def test_a_failing_lifespan_fails_the_start() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        raise RuntimeError("no replicas")
+        yield
+
+    with pytest.raises(RuntimeError, match="no replicas"), running(FastAPI(lifespan=lifespan), {}):
+        pass
+
+
+def test_config_validation() -> None:
+    for bad in ({"max_body_bytes": 0}, {"keepalive_s": 0}, {"shutdown_grace_s": -1},
+                {"max_queued": 0}):
+        with pytest.raises(ValueError):
+            EdgeConfig(**bad)
+
+
+def test_the_router_app_on_the_edge() -> None:
+    """The router's completions (fast route, bearer auth, metrics by status) and its
+    side endpoints, served as ``war route`` serves them."""
+    a, b = Scripted("a"), Scripted("b")
+    router = Router([a, b], FirstHealthy())
+    app = create_router_app(router, api_key=KEY, eos_token_ids=(7,), manage_router=True)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with running(app, app.state.fast_routes) as (h, p, _):
+        with httpx.Client(base_url=f"http://{h}:{p}", headers=auth) as c:
+            r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2},
+                       headers={"X-Trajectory-Id": "t9"})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == [1, 2]
+            assert r.json()["choices"][0]["replica"] == "a"
+            assert a.seen[0].trajectory_id == "t9" and 7 in a.seen[0].sampling.stop_token_ids
+            assert c.post("/v1/completions", content=b"{not json").status_code == 400
+            assert c.post("/v1/completions", json={"prompt": [1]},
+                          headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert c.get("/health").json()["healthy_replicas"] == 2
+            assert c.get("/metrics", headers={}).status_code == 200
+            text = c.get("/metrics").text
+            assert 'war_router_http_requests_total{status="200"} 1.0' in text
+            assert 'war_router_http_requests_total{status="400"} 1.0' in text
+        assert httpx.get(f"http://{h}:{p}/metrics").status_code == 401
