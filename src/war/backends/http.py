@@ -74,7 +74,7 @@ class WarHttpBackend:
         """The ``/v1/completions`` body of ``request``."""
         sp = request.sampling
         body: dict[str, Any] = {
-            "prompt": list(request.prompt_ids),
+            "prompt": request.prompt_ids,  # (orjson writes a tuple as an array)
             "max_tokens": sp.max_tokens,
             "temperature": float(sp.temperature),
             "top_p": float(sp.top_p),
@@ -376,7 +376,7 @@ def logprob(value: Any) -> float:
 def parse_completion(request: GenRequest, data: Mapping[str, Any]) -> GenResult:
     """A WAR ``/v1/completions`` answer (one choice) as a ``GenResult``."""
     choice = data["choices"][0]
-    output = tuple(int(t) for t in choice["token_ids"])
+    output = tuple(map(int, choice["token_ids"]))
     logprobs: tuple[float, ...] = ()
     lp = choice.get("logprobs")
     if request.sampling.logprobs and lp is not None:

@@ -149,6 +149,8 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
         self._refused = False
+        self._length: bytes | None = None  # the first Content-Length
+        self._expect = False  # Expect: 100-continue
 
     # -- asyncio.Protocol
 
@@ -189,16 +191,20 @@ class _Connection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
+        name = name.lower()
+        self._headers.append((name, value))
+        if name == b"content-length" and self._length is None:
+            self._length = value
+        elif name == b"expect":
+            self._expect = value.lower() == b"100-continue"
 
     def on_headers_complete(self) -> None:
-        length = next((v for k, v in self._headers if k == b"content-length"), None)
-        limit = self.edge.config.max_body_bytes
-        if length is not None and length.isdigit() and int(length) > limit:
+        length = self._length
+        if length is not None and length.isdigit() \
+                and int(length) > self.edge.config.max_body_bytes:
             self._too_large()
             return
-        expect = next((v for k, v in self._headers if k == b"expect"), b"")
-        if expect.lower() == b"100-continue" and self.transport is not None:
+        if self._expect and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -213,11 +219,9 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._refused or self.closing:  # nothing after a refusal or a close is answered
             return
-        url = httptools.parse_url(self._url) if self._url else None
+        path, query = _split_target(self._url)
         request = _Request(
-            method=self.parser.get_method(),
-            raw_path=(url.path if url is not None else b"/") or b"/",
-            query=(url.query if url is not None else b"") or b"",
+            method=self.parser.get_method(), raw_path=path, query=query,
             headers=self._headers, body=b"".join(self._body),
             keep_alive=self.parser.should_keep_alive(),
             http_version=self.parser.get_http_version())
@@ -244,15 +248,22 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
             self.paused = False
         request = self.queue.popleft()
-        self.task = self.loop.create_task(self._answer(request))
-        self.task.add_done_callback(self._answered)
+        self.task = self.loop.create_task(self._answer_then_next(request))
 
-    def _answered(self, task: asyncio.Task[None]) -> None:
-        self.task = None
-        if not task.cancelled() and task.exception() is not None:
-            log.error("answering a request failed", exc_info=task.exception())
+    async def _answer_then_next(self, request: _Request) -> None:
+        """Answers ``request``, then starts on the next one (the task's last step, which
+        saves a done-callback's turn of the loop per request)."""
+        try:
+            await self._answer(request)
+        except asyncio.CancelledError:  # the client hung up, or the server is stopping
+            self.task = None
+            raise
+        except Exception:
+            log.exception("answering a request failed")
+            self.task = None
             self._close()
             return
+        self.task = None
         self._next()
 
     async def _answer(self, request: _Request) -> None:
@@ -379,7 +390,7 @@ class _Connection(asyncio.Protocol):
         is not read."""
         self._refused = True
         method = self.parser.get_method()
-        path = (httptools.parse_url(self._url).path if self._url else b"/") or b"/"
+        path, _ = _split_target(self._url)
         route = self.edge.routes.get((method, path))
         if route is not None:
             status, body = route.too_large()
@@ -433,6 +444,16 @@ class _Connection(asyncio.Protocol):
         self.queue.clear()
         if self.task is None:
             self._close()
+
+
+def _split_target(url: bytes) -> tuple[bytes, bytes]:
+    """(path, query) of a request target (an absolute URL's path too)."""
+    if not url:
+        return b"/", b""
+    if url[0:1] == b"/" and b"?" not in url and b"#" not in url:
+        return url, b""  # the common case, without a parse
+    parsed = httptools.parse_url(url)
+    return parsed.path or b"/", parsed.query or b""
 
 
 def _address(peer: Any) -> tuple[str, int] | None:

@@ -168,6 +168,11 @@ class Router:
 
     async def generate(self, request: GenRequest) -> GenResult:
         """Serves one request on some replica, retrying elsewhere on failure."""
+        result, _ = await self.route(request)
+        return result
+
+    async def route(self, request: GenRequest) -> tuple[GenResult, str]:
+        """``generate``, and the name of the replica that served the request."""
         self.stats.requests += 1
         full = self._full_prompt(request)
         attempts = 0
@@ -225,7 +230,7 @@ class Router:
             self._remember(request, full, result)
             if self.config.share_history and request.group_id is not None:
                 self._share(name, result, request.group_id)
-            return result
+            return result, name
 
     def finish_trajectory(self, trajectory_id: str) -> bool:
         """The trajectory ended (the rollout driver knows; otherwise the policy infers it

@@ -17,10 +17,9 @@ cannot read them from a model; ``max_tokens`` must be set (it does not know the 
 length). Any ``model`` name is accepted and echoed. Vocabulary bounds and the context
 length are checked by the replica (a 400 passed on).
 
-Does not know how requests are placed (``war.router.router`` and its policy) nor how
-replicas are reached (``war.backends``). To tell which replica served a request it
-wraps the router's policy in a thin recorder (``router.policy`` stays usable: other
-attributes are passed through).
+Does not know how requests are placed (``war.router.router`` and its policy; its
+``route`` tells which replica served a request) nor how replicas are reached
+(``war.backends``).
 """
 
 from __future__ import annotations
@@ -60,63 +59,11 @@ from war.api import (
 )
 from war.router.edge import FastRoute
 from war.router.metrics import CONTENT_TYPE, RouterMetrics
-from war.router.policies.base import Decision, ReplicaView, RoutingPolicy
 from war.router.router import NoReplicaAvailable, Router
 from war.types import GenRequest, GenResult, SamplingParams, UnknownTrajectory
 
 TEXT_PROMPT = ("the router needs token ids (it has no tokenizer): send the prompt as a list "
                "of ints or a list of such lists")
-
-
-class PlacementRecorder:
-    """A routing policy that passes everything to ``inner`` and remembers, for the
-    request ids it is asked to watch, which replica completed them."""
-
-    def __init__(self, inner: RoutingPolicy) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self._watchers: dict[str, int] = {}
-        self._where: dict[str, str] = {}
-
-    def __getattr__(self, attr: str) -> Any:  # the inner policy's other attributes
-        if attr == "inner":  # not set yet (copies): no recursion
-            raise AttributeError(attr)
-        return getattr(self.inner, attr)
-
-    def select(self, request: GenRequest, replicas: list[ReplicaView], now: float) -> Decision:
-        return self.inner.select(request, replicas, now)
-
-    def on_complete(self, request: GenRequest, result: GenResult | None, replica: str,
-                    now: float) -> None:
-        if result is not None and request.request_id in self._watchers:
-            self._where[request.request_id] = replica
-        self.inner.on_complete(request, result, replica, now)
-
-    def on_replica_down(self, replica: str, now: float) -> None:
-        self.inner.on_replica_down(replica, now)
-
-    def watch(self, request_id: str) -> None:
-        self._watchers[request_id] = self._watchers.get(request_id, 0) + 1
-
-    def unwatch(self, request_id: str) -> str | None:
-        """Stops watching ``request_id``; the replica that completed it (if known)."""
-        where = self._where.get(request_id)
-        left = self._watchers.get(request_id, 0) - 1
-        if left > 0:
-            self._watchers[request_id] = left
-        else:
-            self._watchers.pop(request_id, None)
-            self._where.pop(request_id, None)
-        return where
-
-
-def _recorder(router: Router) -> PlacementRecorder:
-    policy = router.policy
-    if isinstance(policy, PlacementRecorder):
-        return policy
-    recorder = PlacementRecorder(policy)
-    router.policy = recorder
-    return recorder
 
 
 def _all_ints(values: list[Any]) -> bool:
@@ -293,23 +240,16 @@ def build_response(rid: str, model: str, results: Sequence[GenResult],
     }
 
 
-async def _generate_all(router: Router, recorder: PlacementRecorder,
-                        requests: Sequence[GenRequest]) -> tuple[list[GenResult],
-                                                                 list[str | None]]:
+async def _generate_all(router: Router, requests: Sequence[GenRequest]
+                        ) -> tuple[list[GenResult], list[str | None]]:
     """Routes every request; if one fails, the others are cancelled."""
-
-    async def one(request: GenRequest) -> tuple[GenResult, str | None]:
-        recorder.watch(request.request_id)
-        where: str | None = None
-        try:
-            result = await router.generate(request)
-        finally:
-            where = recorder.unwatch(request.request_id)
-        return result, where
-
     if len(requests) == 1:  # the common case: no task of its own
-        result, where = await one(requests[0])
+        result, where = await router.route(requests[0])
         return [result], [where]
+
+    async def one(request: GenRequest) -> tuple[GenResult, str]:
+        return await router.route(request)
+
     tasks = [asyncio.ensure_future(one(r)) for r in requests]
     try:
         done = await asyncio.gather(*tasks)
@@ -372,7 +312,6 @@ def create_router_app(router: Router, api_key: str | None = None,
     bad_eos = next((t for t in eos if t < 0), None)
     if bad_eos is not None:
         raise ValueError(f"eos token ids must be >= 0, got {bad_eos}")
-    recorder = _recorder(router)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -417,7 +356,7 @@ def create_router_app(router: Router, api_key: str | None = None,
             try:
                 body = parse_completion_body(raw)
                 rid, reqs = build_requests(body, headers, eos)
-                work = _generate_all(router, recorder, reqs)
+                work = _generate_all(router, reqs)
                 results, where = await (work if receive is None
                                         else unless_hung_up(receive, work))
             except UnknownTrajectory as e:  # the client resends the whole context
@@ -508,7 +447,7 @@ def create_router_app(router: Router, api_key: str | None = None,
     async def load() -> dict[str, Any]:
         views = router.views()
         return {
-            "policy": recorder.name,
+            "policy": router.policy.name,
             "healthy_replicas": sum(1 for v in views if v.healthy),
             "num_requests": sum(v.num_requests for v in views),
             "tokens_in_flight": sum(v.tokens_in_flight for v in views),
