@@ -76,6 +76,10 @@ def test_helpers_report_every_mode_and_concurrency(tiny: tuple[Path, Path]) -> N
                               config.cost_context, config.cost_repeats)
     assert [(c.batch, c.draft_tokens) for c in cost] == [(1, 0), (1, 2), (2, 0), (2, 2)]
     assert all(c.step_ms > 0 for c in cost)
+    fastest = measure_cost_curve(model, (1,), (0,), config.cost_context, 3, statistic="min")
+    assert len(fastest) == 1 and fastest[0].step_ms > 0
+    with pytest.raises(ValueError, match="statistic"):
+        measure_cost_curve(model, (1,), (0,), 8, 1, statistic="mean")
     stop_id = tokenizer.token_to_id(IM_END)
     assert stop_id is not None
     runs = run_sweep(model, prompts, config, stop_id)

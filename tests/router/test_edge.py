@@ -26,6 +26,7 @@ from test_router_server import KEY, FirstHealthy, Scripted
 from war.router.edge import Edge, EdgeConfig, FastRoute
 from war.router.router import Router
 from war.router.server import create_router_app
+from war.types import GenRequest, GenResult
 
 
 class Echo:
@@ -353,3 +354,40 @@ def test_the_router_app_on_the_edge() -> None:
             assert 'war_router_http_requests_total{status="200"} 1.0' in text
             assert 'war_router_http_requests_total{status="400"} 1.0' in text
         assert httpx.get(f"http://{h}:{p}/metrics").status_code == 401
+
+
+class Blocking(Scripted):
+    """A replica whose generate waits until cancelled (counts the cancellations)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.cancelled = 0
+
+    async def generate(self, request: GenRequest) -> GenResult:
+        self.seen.append(request)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        raise AssertionError("unreachable")
+
+
+def test_a_client_hanging_up_cancels_the_routed_call_and_counts_499() -> None:
+    slow = Blocking("slow")
+    router = Router([slow], FirstHealthy())
+    app = create_router_app(router, manage_router=True)
+    with running(app, app.state.fast_routes) as (h, p, _):
+        with socket.create_connection(("127.0.0.1", p), timeout=5) as s:
+            s.sendall(post("/v1/completions", b'{"prompt": [1, 2], "max_tokens": 1}'))
+            deadline = time.monotonic() + 5
+            while not slow.seen and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert slow.seen, "the request did not reach the replica"
+        deadline = time.monotonic() + 5
+        while slow.cancelled == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert slow.cancelled == 1
+        text = httpx.get(f"http://{h}:{p}/metrics", timeout=5).text
+        assert 'war_router_http_requests_total{status="499"} 1.0' in text
+        assert router.replicas["slow"].num_requests == 0  # its accounting was undone

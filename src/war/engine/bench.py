@@ -265,33 +265,42 @@ class CostPoint:
 
 
 def measure_cost_curve(model: CausalLM, batches: Sequence[int], drafts: Sequence[int],
-                       context_len: int, repeats: int, seed: int = 0) -> list[CostPoint]:
+                       context_len: int, repeats: int, seed: int = 0,
+                       statistic: str = "median") -> list[CostPoint]:
     """The forward pass's duration (packing the batch included) for ``batch`` sequences
-    each with ``context_len`` cached tokens and ``1 + draft_tokens`` new ones; the grid
-    is measured ``repeats`` times in interleaved order (after one warm-up pass)."""
+    each with ``context_len`` cached tokens and ``1 + draft_tokens`` new ones. The grid
+    is measured ``repeats`` times (after one warm-up pass), each time in a new seeded
+    random order, so that no shape always follows the same one (a small shape right
+    after the largest runs with cold caches); a shape's figure is the ``statistic``
+    (``median``, or ``min``: on a shared machine other work only slows a pass down) of
+    its repeats."""
+    if statistic not in ("median", "min"):
+        raise ValueError(f"statistic must be 'median' or 'min', got {statistic!r}")
+    reduce: Callable[[list[float]], float] = min if statistic == "min" else statistics.median
     rng = np.random.default_rng(seed)
     span = context_len + max(drafts) + 1
     bs = 16
     kv = KVCache.for_model(model.config, math.ceil(max(batches) * span / bs), bs,
                            model.dtype, model.device)
     vocab = model.config.vocab_size
-    times: dict[tuple[int, int], list[float]] = {(b, k): [] for b in batches for k in drafts}
+    shapes = [(b, k) for b in batches for k in drafts]
+    times: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
     for rep in range(repeats + 1):
-        for b in batches:
-            for k in drafts:
-                inputs = []
-                for i in range(b):
-                    base = i * span
-                    inputs.append(SeqInput(
-                        rng.integers(0, vocab, k + 1), np.arange(context_len, context_len + k + 1),
-                        np.arange(base + context_len, base + context_len + k + 1),
-                        np.arange(base, base + context_len), None, k + 1))
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    model.forward(build_batch(inputs, model.device), kv)
-                if rep:
-                    times[b, k].append(time.perf_counter() - t0)
-    return [CostPoint(b, k, 1e3 * statistics.median(times[b, k])) for b in batches for k in drafts]
+        for i in rng.permutation(len(shapes)):
+            b, k = shapes[i]
+            inputs = []
+            for j in range(b):
+                base = j * span
+                inputs.append(SeqInput(
+                    rng.integers(0, vocab, k + 1), np.arange(context_len, context_len + k + 1),
+                    np.arange(base + context_len, base + context_len + k + 1),
+                    np.arange(base, base + context_len), None, k + 1))
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model.forward(build_batch(inputs, model.device), kv)
+            if rep:
+                times[b, k].append(time.perf_counter() - t0)
+    return [CostPoint(b, k, 1e3 * reduce(times[b, k])) for b, k in shapes]
 
 
 # --------------------------------------------------------------------------- load sweep
