@@ -256,6 +256,39 @@ def test_kv_cache() -> None:
         kv.copy_slots(torch.tensor([1, 2]), torch.tensor([0]))
 
 
+def test_gather_buffers_are_reused_and_grow() -> None:
+    kv = KVCache(2, 4, 4, 2, 8, torch.float64)
+    k1, v1 = kv.gather_buffers(5)
+    assert k1.numel() == v1.numel() == 5 * 2 * 8 and k1.dtype == torch.float64
+    k2, _ = kv.gather_buffers(3)  # smaller: the same memory
+    assert k2.data_ptr() == k1.data_ptr()
+    k3, v3 = kv.gather_buffers(6)  # larger: at least doubled, so growth stays rare
+    assert k3.numel() == 2 * k1.numel() and v3.numel() == k3.numel()
+    assert kv.gather_buffers(7)[0].data_ptr() == k3.data_ptr()
+
+
+def test_forward_with_and_without_gather_buffers_agree(model: CausalLM) -> None:
+    """The paged forward writes gathered keys into the cache's reused buffers; a plan
+    without them allocates per layer: the logits are the same."""
+    from war.engine.attention import plan_paged
+
+    kv = _cache(model)
+    perm = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(5)).tolist()
+    seqs = [Seq(perm[0:8]), Seq(perm[8:16])]
+    inputs = [seqs[0].chunk(_tokens(13, seed=1), 13), seqs[1].chunk(_tokens(6, seed=2), 6)]
+    reused = model.forward(build_batch(inputs), kv)
+    batch = build_batch(inputs)
+    plan = plan_paged(batch, model.config.num_kv_groups)
+    assert plan.max_gathered_slots == max(g.num_seqs * g.num_keys for g in plan.groups)
+    with torch.no_grad():
+        cos, sin = model.rotary.cos_sin(batch.positions, model.dtype)
+        h = model.model.embed_tokens(batch.input_ids)
+        for i, layer in enumerate(model.model.decoder_layers()):
+            h = layer.forward_paged(h, cos, sin, plan, kv.k[i], kv.v[i])  # plan.gather: None
+        fresh = model._logits(model.model.norm(h.index_select(0, batch.logits_index)))
+    assert torch.equal(reused, fresh)
+
+
 def test_cache_must_fit_the_model() -> None:
     model = init_random(CONFIGS["llama-gqa"], seed=0)
     with pytest.raises(ValueError, match="KV cache"):

@@ -125,6 +125,7 @@ class CausalLM(nn.Module):
         self._check_cache(kv)
         with torch.no_grad():
             plan = plan_paged(batch, self.config.num_kv_groups)
+            plan.gather = kv.gather_buffers(plan.max_gathered_slots)
             cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
             h = self.model.embed_tokens(batch.input_ids)
             for i, layer in enumerate(self.model.decoder_layers()):
