@@ -13,7 +13,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -151,6 +151,21 @@ def raw(port: int, data: bytes, *, wait_close: bool = True, timeout: float = 5.0
         return out
 
 
+def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Polls ``condition`` until it holds or ``timeout`` passes; returns it."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def hang_up_once_started(port: int, data: bytes, started: Callable[[], bool]) -> None:
+    """Sends ``data`` and closes the connection once ``started()`` holds."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(data)
+        assert wait_for(started), "the request did not start"
+
+
 def post(path: str, body: bytes, extra: str = "") -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
             ).encode() + body
@@ -266,16 +281,8 @@ def test_a_client_hanging_up_cancels_the_fast_handler() -> None:
     echo = Echo()
     with running(side_app([]), {("POST", "/v1/completions"): echo.route()}) as (h, p, _):
         echo.hold = asyncio.Event()  # (created here, used on the edge's loop only)
-        with socket.create_connection(("127.0.0.1", p), timeout=5) as s:
-            s.sendall(post("/v1/completions", b"wait"))
-            deadline = time.monotonic() + 5
-            while not echo.calls and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert echo.calls, "the handler did not start"
-        deadline = time.monotonic() + 5
-        while echo.cancelled == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert echo.cancelled == 1
+        hang_up_once_started(p, post("/v1/completions", b"wait"), lambda: bool(echo.calls))
+        assert wait_for(lambda: echo.cancelled == 1)
         echo.hold = None
         with httpx.Client(base_url=f"http://{h}:{p}") as c:
             assert c.post("/v1/completions", content=b"next").status_code == 200
@@ -378,16 +385,9 @@ def test_a_client_hanging_up_cancels_the_routed_call_and_counts_499() -> None:
     router = Router([slow], FirstHealthy())
     app = create_router_app(router, manage_router=True)
     with running(app, app.state.fast_routes) as (h, p, _):
-        with socket.create_connection(("127.0.0.1", p), timeout=5) as s:
-            s.sendall(post("/v1/completions", b'{"prompt": [1, 2], "max_tokens": 1}'))
-            deadline = time.monotonic() + 5
-            while not slow.seen and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert slow.seen, "the request did not reach the replica"
-        deadline = time.monotonic() + 5
-        while slow.cancelled == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert slow.cancelled == 1
+        hang_up_once_started(p, post("/v1/completions", b'{"prompt": [1, 2], "max_tokens": 1}'),
+                             lambda: bool(slow.seen))
+        assert wait_for(lambda: slow.cancelled == 1)
         text = httpx.get(f"http://{h}:{p}/metrics", timeout=5).text
         assert 'war_router_http_requests_total{status="499"} 1.0' in text
         assert router.replicas["slow"].num_requests == 0  # its accounting was undone
