@@ -9,6 +9,7 @@ a *fast route* (``FastRoute``: the router's ``POST /v1/completions``) go straigh
 its handler as ``(body, headers)``; a client hanging up cancels the handler's task.
 Every other request goes to the ASGI app (FastAPI's ``/health``, ``/metrics``, ...),
 whose lifespan runs around the server. Responses from the app may stream (chunked).
+The ASGI side is ``edge_asgi``; the bytes of responses are ``edge_wire``'s.
 
 Does not know: TLS, HTTP/2 or protocol upgrades (an upgrade is ignored: the request is
 answered over HTTP/1.1 and the connection closed), request bodies streamed to the app
@@ -29,13 +30,13 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from email.utils import formatdate
-from http import HTTPStatus
 from typing import Any, cast
-from urllib.parse import unquote
 
 import httptools
-from starlette.types import ASGIApp, Message
+from starlette.types import ASGIApp
+
+from war.router.edge_asgi import Exchange, Lifespan, http_scope
+from war.router.edge_wire import address, error_json, json_response, split_target
 
 log = logging.getLogger("war.router.edge")
 
@@ -76,41 +77,6 @@ class EdgeConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {self.max_queued}")
-
-
-_REASONS = {s.value: s.phrase for s in HTTPStatus} | {499: "Client Closed Request"}
-_date_cache: tuple[int, bytes] = (0, b"")
-
-
-def _date() -> bytes:
-    global _date_cache
-    now = int(time.time())
-    if _date_cache[0] != now:
-        _date_cache = (now, formatdate(now, usegmt=True).encode())
-    return _date_cache[1]
-
-
-def _head(status: int, headers: list[tuple[bytes, bytes]], keep_alive: bool) -> bytes:
-    lines = [b"HTTP/1.1 %d %s" % (status, _REASONS.get(status, "Unknown").encode()),
-             b"date: " + _date()]
-    lines += [name + b": " + value for name, value in headers]
-    if not keep_alive:
-        lines.append(b"connection: close")
-    return b"\r\n".join(lines) + b"\r\n\r\n"
-
-
-def _json_response(status: int, body: bytes, keep_alive: bool,
-                   extra: Mapping[str, str] | None = None) -> bytes:
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
-    if extra:
-        headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
-    return _head(status, headers, keep_alive) + body
-
-
-def _plain_error(status: int, message: str) -> bytes:
-    return (b'{"error": {"message": "%s", "type": "invalid_request_error", "param": null, '
-            b'"code": null}}' % message.replace('"', "'").encode())
 
 
 @dataclass
@@ -219,7 +185,7 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._refused or self.closing:  # nothing after a refusal or a close is answered
             return
-        path, query = _split_target(self._url)
+        path, query = split_target(self._url)
         request = _Request(
             method=self.parser.get_method(), raw_path=path, query=query,
             headers=self._headers, body=b"".join(self._body),
@@ -287,93 +253,29 @@ class _Connection(asyncio.Protocol):
         refusal = route.authorize(headers)
         if refusal is not None:
             status, body, extra = refusal
-            self._write(_json_response(status, body, keep_alive, extra))
+            self._write(json_response(status, body, keep_alive, extra))
             return
         status, body = await route.handle(request.body, headers)
-        self._write(_json_response(status, body, keep_alive))
+        self._write(json_response(status, body, keep_alive))
 
     async def _answer_asgi(self, request: _Request, keep_alive: bool) -> None:
-        edge = self.edge
         transport = self.transport
         assert transport is not None, "answering before the connection was made"
-        scope: dict[str, Any] = {
-            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": request.http_version, "scheme": "http",
-            "method": request.method.decode("latin-1"),
-            "path": unquote(request.raw_path.decode("latin-1")),
-            "raw_path": request.raw_path, "query_string": request.query, "root_path": "",
-            "headers": request.headers, "server": edge.sockname,
-            "client": _address(transport.get_extra_info("peername")),
-            "state": dict(edge.state),
-        }
-        body_sent = False
-        started = False
-        done = False
-        chunked = False
-        head_only = request.method == b"HEAD"
-        pending: list[tuple[int, list[tuple[bytes, bytes]]]] = []  # the start, unsent
-
-        async def receive() -> Message:
-            nonlocal body_sent
-            if not body_sent:
-                body_sent = True
-                return {"type": "http.request", "body": request.body, "more_body": False}
-            if self.gone is None:
-                self.gone = self.loop.create_future()
-            if not self.closed:
-                await self.gone
-            return {"type": "http.disconnect"}
-
-        async def send(message: Message) -> None:
-            nonlocal started, done, chunked
-            if self.closed or done:
-                return
-            if message["type"] == "http.response.start":
-                assert not started, "the app started its response twice"
-                started = True
-                status = int(message["status"])
-                headers = [(bytes(k).lower(), bytes(v)) for k, v in message.get("headers", [])]
-                pending.append((status, headers))
-                return
-            if message["type"] != "http.response.body":
-                return
-            assert started, "the app sent a body before starting its response"
-            body = bytes(message.get("body", b""))
-            more = bool(message.get("more_body", False))
-            if pending:
-                status, headers = pending.pop()
-                has_length = any(k == b"content-length" for k, _ in headers)
-                if not has_length:
-                    if more:
-                        chunked = True
-                        headers.append((b"transfer-encoding", b"chunked"))
-                    else:
-                        headers.append((b"content-length", str(len(body)).encode()))
-                head = _head(status, headers, keep_alive)
-                self._write(head if head_only else head + (_chunk(body) if chunked else body))
-            elif not head_only:
-                self._write(_chunk(body) if chunked else body)
-            if not more:
-                done = True
-                if chunked and not head_only:
-                    self._write(b"0\r\n\r\n")
-
-        try:
-            await edge.app(scope, receive, send)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("the app failed on %s %s", scope["method"], scope["path"])
-            if not started:
-                self._write(_json_response(500, _plain_error(500, "internal server error"),
-                                           False))
+        edge = self.edge
+        scope = http_scope(request.method, request.raw_path, request.query, request.headers,
+                           request.http_version, edge.sockname,
+                           address(transport.get_extra_info("peername")), edge.state)
+        exchange = Exchange(edge.app, scope, request.body, keep_alive, self._write,
+                            lambda: self.closed, self._gone)
+        if not await exchange.run():
             self.closing = True
-            return
-        if not done:  # the app returned without finishing its response
-            if not started:
-                self._write(_json_response(500, _plain_error(
-                    500, "the app sent no response"), False))
-            self.closing = True
+
+    async def _gone(self) -> None:
+        """Returns when the client hangs up."""
+        if self.gone is None:
+            self.gone = self.loop.create_future()
+        if not self.closed:
+            await self.gone
 
     # -- helpers
 
@@ -382,7 +284,7 @@ class _Connection(asyncio.Protocol):
             self.transport.write(data)
 
     def _refuse(self, status: int, message: str) -> None:
-        self._write(_json_response(status, _plain_error(status, message), False))
+        self._write(json_response(status, error_json(message), False))
         self._close()
 
     def _too_large(self) -> None:
@@ -390,16 +292,15 @@ class _Connection(asyncio.Protocol):
         is not read."""
         self._refused = True
         method = self.parser.get_method()
-        path, _ = _split_target(self._url)
+        path, _ = split_target(self._url)
         route = self.edge.routes.get((method, path))
         if route is not None:
             status, body = route.too_large()
         else:
             status = 413
-            body = _plain_error(413, f"request body larger than "
-                                     f"{self.edge.config.max_body_bytes} bytes")
+            body = error_json(f"request body larger than {self.edge.config.max_body_bytes} bytes")
         self.queue.append(_Request(method, path, b"", [], b"", False, "1.1",
-                                   preset=_json_response(status, body, False)))
+                                   preset=json_response(status, body, False)))
         self.closing = True
         if self.transport is not None and not self.paused:
             self.transport.pause_reading()
@@ -446,27 +347,6 @@ class _Connection(asyncio.Protocol):
             self._close()
 
 
-def _split_target(url: bytes) -> tuple[bytes, bytes]:
-    """(path, query) of a request target (an absolute URL's path too)."""
-    if not url:
-        return b"/", b""
-    if url[0:1] == b"/" and b"?" not in url and b"#" not in url:
-        return url, b""  # the common case, without a parse
-    parsed = httptools.parse_url(url)
-    return parsed.path or b"/", parsed.query or b""
-
-
-def _address(peer: Any) -> tuple[str, int] | None:
-    """(host, port) of a socket address (IPv6 ones have four fields)."""
-    if isinstance(peer, tuple) and len(peer) >= 2:
-        return (str(peer[0]), int(peer[1]))
-    return None
-
-
-def _chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
-
-
 class Edge:
     """The server: ``app`` (ASGI) behind ``routes`` ((method, path) -> ``FastRoute``)."""
 
@@ -480,11 +360,11 @@ class Edge:
         self.sockname: tuple[str, int] | None = None
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
-        self._lifespan: _Lifespan | None = None
+        self._lifespan: Lifespan | None = None
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Runs the app's lifespan startup and listens; returns the bound address."""
-        self._lifespan = _Lifespan(self.app, self.state)
+        self._lifespan = Lifespan(self.app, self.state)
         await self._lifespan.startup()
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port)
@@ -512,65 +392,6 @@ class Edge:
             await self._server.wait_closed()
         if self._lifespan is not None:
             await self._lifespan.shutdown()
-
-
-class _Lifespan:
-    """The ASGI lifespan protocol around the server (startup failures raise)."""
-
-    def __init__(self, app: ASGIApp, state: dict[str, Any]) -> None:
-        self.app = app
-        self.state = state
-        self._inbox: asyncio.Queue[Message] = asyncio.Queue()
-        self._started: asyncio.Future[None] | None = None
-        self._stopped: asyncio.Future[None] | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    async def startup(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._started, self._stopped = loop.create_future(), loop.create_future()
-        self._task = loop.create_task(self._run())
-        await self._inbox.put({"type": "lifespan.startup"})
-        await self._started
-
-    async def shutdown(self) -> None:
-        if self._task is None or self._task.done():
-            return
-        await self._inbox.put({"type": "lifespan.shutdown"})
-        assert self._stopped is not None
-        await asyncio.wait({self._stopped, self._task}, return_when=asyncio.FIRST_COMPLETED)
-        if self._stopped.done() and self._stopped.exception() is not None:
-            raise cast(BaseException, self._stopped.exception())
-
-    async def _run(self) -> None:
-        assert self._started is not None and self._stopped is not None
-        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"},
-                 "state": self.state}
-        try:
-            await self.app(scope, self._inbox.get, self._send)
-        except BaseException as e:
-            for fut in (self._started, self._stopped):
-                if not fut.done():
-                    fut.set_exception(RuntimeError(f"the app's lifespan failed: {e!r}"))
-            if not isinstance(e, Exception):
-                raise
-        finally:
-            for fut in (self._started, self._stopped):
-                if not fut.done():
-                    fut.set_result(None)  # the app has no lifespan: nothing to wait for
-
-    async def _send(self, message: Message) -> None:
-        assert self._started is not None and self._stopped is not None
-        kind = message["type"]
-        if kind == "lifespan.startup.complete":
-            self._started.set_result(None)
-        elif kind == "lifespan.startup.failed":
-            self._started.set_exception(RuntimeError(
-                f"the app failed to start: {message.get('message', '')}"))
-        elif kind == "lifespan.shutdown.complete":
-            self._stopped.set_result(None)
-        elif kind == "lifespan.shutdown.failed":
-            self._stopped.set_exception(RuntimeError(
-                f"the app failed to shut down: {message.get('message', '')}"))
 
 
 async def serve(edge: Edge, host: str, port: int,
