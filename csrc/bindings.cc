@@ -129,7 +129,8 @@ NB_MODULE(_C, m) {
          const std::vector<const war::SuffixTree*>& groups, const war::SuffixTree* global,
          nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> budgets,
          int32_t max_tokens, double factor, double offset, double min_prob, bool tree,
-         Alpha alpha_group, Alpha alpha_local, Alpha alpha_global, double group_weight) {
+         Alpha alpha_group, Alpha alpha_local, Alpha alpha_global, double group_weight,
+         bool merge, double merge_threshold, double merge_min_prob) {
         const size_t n = locals.size();
         if (seq_ids.shape(0) != n || groups.size() != n || budgets.shape(0) != n)
           throw std::invalid_argument("propose_batch: argument lengths differ");
@@ -145,10 +146,14 @@ NB_MODULE(_C, m) {
             make_params(max_tokens, factor, offset, min_prob, tree, alpha_global)};
         for (size_t i = 0; i < n; ++i)
           items[i] = war::BatchItem{locals[i], seq_ids.data()[i], groups[i], budgets.data()[i]};
+        war::MergeParams mp;
+        mp.enabled = merge;
+        mp.threshold = merge_threshold;
+        mp.min_prob = merge_min_prob;
         war::BatchResult r;
         {
           nb::gil_scoped_release release;
-          war::propose_batch(items, global, params, group_weight, &r);
+          war::propose_batch(items, global, params, group_weight, mp, &r);
         }
         return nb::make_tuple(to_numpy(std::move(r.tokens)), to_numpy(std::move(r.parents)),
                               to_numpy(std::move(r.probs)), to_numpy(std::move(r.offsets)),
@@ -157,5 +162,5 @@ NB_MODULE(_C, m) {
       },
       "locals"_a, "seq_ids"_a, "groups"_a, "global_tree"_a.none(), "budgets"_a, "max_tokens"_a,
       "factor"_a, "offset"_a, "min_prob"_a, "tree"_a, "alpha_group"_a, "alpha_local"_a,
-      "alpha_global"_a, "group_weight"_a);
+      "alpha_global"_a, "group_weight"_a, "merge"_a, "merge_threshold"_a, "merge_min_prob"_a);
 }

@@ -1,10 +1,11 @@
 // Drafting: path and tree drafts from a match, best over match lengths, and the
-// batched choice among sources. Semantics: docs/suffix-speculation.md.
+// batched choice among sources or merge of them. Semantics: docs/suffix-speculation.md.
 #include "speculate.h"
 
 #include <algorithm>
 #include <cmath>
 #include <queue>
+#include <vector>
 
 namespace war {
 
@@ -199,40 +200,180 @@ DraftResult SuffixTree::speculate_self(int64_t seq_id, const SpecParams& p) cons
   return best;
 }
 
+namespace {
+
+// One node of a merge: a token path from the context, named by its first
+// appearance (sources in order group, local, global, each in emission order).
+struct MergeNode {
+  int32_t token;
+  int32_t parent;       // merge node of the path without its last token (-1 = root)
+  int32_t depth;        // path length
+  int32_t first_child;  // children in order of first appearance
+  int32_t last_child;
+  int32_t next_sibling;
+  double prod;          // product over contributing sources of (1 - term)
+  double value;         // 1 - prod
+  double best_term;     // the largest term, from source best_src
+  int8_t best_src;
+  int32_t best_match;   // match length of that source's draft
+};
+
+struct Merger {
+  std::vector<MergeNode> nodes;
+  std::vector<int32_t> map;  // draft index -> merge node
+  int32_t root_first = -1, root_last = -1;
+
+  void clear() {
+    nodes.clear();
+    root_first = root_last = -1;
+  }
+
+  // Adds a source's draft: each token's term min(1, weight * p_cum) multiplies
+  // its path's prod by (1 - term).
+  void add(const DraftResult& d, double weight, Source src) {
+    map.resize(d.tokens.size());
+    for (size_t i = 0; i < d.tokens.size(); ++i) {
+      const int32_t parent = d.parents[i] < 0 ? -1 : map[d.parents[i]];
+      int32_t c = parent < 0 ? root_first : nodes[parent].first_child;
+      while (c >= 0 && nodes[c].token != d.tokens[i]) c = nodes[c].next_sibling;
+      if (c < 0) {
+        c = static_cast<int32_t>(nodes.size());
+        const int32_t depth = parent < 0 ? 1 : nodes[parent].depth + 1;
+        nodes.push_back({d.tokens[i], parent, depth, -1, -1, -1, 1.0, 0.0, -1.0,
+                         static_cast<int8_t>(Source::kNone), 0});
+        int32_t& last = parent < 0 ? root_last : nodes[parent].last_child;
+        if (last < 0) {
+          (parent < 0 ? root_first : nodes[parent].first_child) = c;
+        } else {
+          nodes[last].next_sibling = c;
+        }
+        last = c;
+      }
+      MergeNode& m = nodes[c];
+      const double term = std::min(1.0, weight * d.probs[i]);
+      m.prod = m.prod * (1.0 - term);
+      if (term > m.best_term) {
+        m.best_term = term;
+        m.best_src = static_cast<int8_t>(src);
+        m.best_match = d.match_len;
+      }
+      map[i] = c;
+    }
+  }
+};
+
+// Writes the merged draft (section 6) into `out` (its match_len: that of the
+// source with the largest term on the first token); returns that source.
+Source merged_draft(Merger& mg, bool tree, int32_t limit, double threshold, DraftResult* out) {
+  reset(out);
+  thread_local std::vector<int32_t> order, emitted;
+  for (MergeNode& m : mg.nodes) m.value = 1.0 - m.prod;
+  int32_t first = -1;
+  if (tree) {
+    order.clear();
+    for (int32_t i = 0; i < static_cast<int32_t>(mg.nodes.size()); ++i)
+      if (mg.nodes[i].value >= threshold) order.push_back(i);
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+      const MergeNode& x = mg.nodes[a];
+      const MergeNode& y = mg.nodes[b];
+      if (x.value != y.value) return x.value > y.value;
+      if (x.depth != y.depth) return x.depth < y.depth;
+      return a < b;
+    });
+    emitted.assign(mg.nodes.size(), -1);
+    for (int32_t i : order) {
+      if (static_cast<int32_t>(out->tokens.size()) >= limit) break;
+      const MergeNode& m = mg.nodes[i];
+      if (m.parent >= 0 && emitted[m.parent] < 0) continue;  // its parent was not kept
+      if (first < 0) first = i;
+      emitted[i] = static_cast<int32_t>(out->tokens.size());
+      out->tokens.push_back(m.token);
+      out->parents.push_back(m.parent < 0 ? -1 : emitted[m.parent]);
+      out->probs.push_back(m.value);
+      out->score += m.value;
+    }
+  } else {
+    int32_t c = mg.root_first;  // the first child of the chain's end
+    while (static_cast<int32_t>(out->tokens.size()) < limit && c >= 0) {
+      int32_t best = c;
+      for (int32_t s = mg.nodes[c].next_sibling; s >= 0; s = mg.nodes[s].next_sibling)
+        if (mg.nodes[s].value > mg.nodes[best].value) best = s;
+      const MergeNode& m = mg.nodes[best];
+      if (!(m.value >= threshold)) break;
+      if (first < 0) first = best;
+      out->parents.push_back(static_cast<int32_t>(out->tokens.size()) - 1);
+      out->tokens.push_back(m.token);
+      out->probs.push_back(m.value);
+      out->score += m.value;
+      c = m.first_child;
+    }
+  }
+  if (first < 0) return Source::kNone;
+  out->match_len = mg.nodes[first].best_match;
+  return static_cast<Source>(mg.nodes[first].best_src);
+}
+
+}  // namespace
+
 void propose_batch(const std::vector<BatchItem>& items, const SuffixTree* global,
-                   const SpecParams (&params)[3], double group_weight, BatchResult* out) {
+                   const SpecParams (&params)[3], double group_weight, const MergeParams& merge,
+                   BatchResult* out) {
   out->offsets.assign(1, 0);
   DraftResult best, cand;
+  Merger mg;
   for (const BatchItem& item : items) {
     SpecParams p[3] = {params[0], params[1], params[2]};
     for (SpecParams& q : p) q.max_tokens = std::min(q.max_tokens, item.budget);
     reset(&best);
     Source source = Source::kNone;
-    double best_weighted = 0.0;
     if (p[0].max_tokens > 0) {
       const std::vector<int32_t>& seq = item.local->sequence(item.seq_id);
       const size_t ctx_len =
           std::min(seq.size(), static_cast<size_t>(item.local->max_depth()));
       const int32_t* ctx = seq.data() + (seq.size() - ctx_len);
-      auto consider = [&](double weight, Source src) {
-        const double w = cand.score * weight;
-        if (w > best_weighted) {
-          best_weighted = w;
-          std::swap(best, cand);
-          source = src;
+      const bool use_group = group_weight > 0.0 && item.group->num_seqs() > 0;
+      const bool use_global = global != nullptr && global->num_seqs() > 0;
+      if (merge.enabled) {
+        // Section 6: every source drafts a tree with the merge's cut; the drafts
+        // merge by token path.
+        for (SpecParams& q : p) {
+          q.tree = true;
+          q.min_prob = merge.min_prob;
         }
-      };
-      // A source wins only with a weighted score above the best so far: that
-      // bar lets each source stop trying match lengths early (same result).
-      if (group_weight > 0.0 && item.group->num_seqs() > 0) {
-        item.group->speculate_into(ctx, ctx_len, p[0], &cand, 0.0);
-        consider(group_weight, Source::kGroup);
-      }
-      item.local->speculate_self_into(item.seq_id, p[1], &cand, best_weighted);
-      consider(1.0, Source::kLocal);
-      if (global != nullptr && global->num_seqs() > 0) {
-        global->speculate_into(ctx, ctx_len, p[2], &cand, best_weighted);
-        consider(1.0, Source::kGlobal);
+        mg.clear();
+        if (use_group) {
+          item.group->speculate_into(ctx, ctx_len, p[0], &cand, 0.0);
+          mg.add(cand, group_weight, Source::kGroup);
+        }
+        item.local->speculate_self_into(item.seq_id, p[1], &cand, 0.0);
+        mg.add(cand, 1.0, Source::kLocal);
+        if (use_global) {
+          global->speculate_into(ctx, ctx_len, p[2], &cand, 0.0);
+          mg.add(cand, 1.0, Source::kGlobal);
+        }
+        source = merged_draft(mg, params[0].tree, p[0].max_tokens, merge.threshold, &best);
+      } else {
+        double best_weighted = 0.0;
+        auto consider = [&](double weight, Source src) {
+          const double w = cand.score * weight;
+          if (w > best_weighted) {
+            best_weighted = w;
+            std::swap(best, cand);
+            source = src;
+          }
+        };
+        // A source wins only with a weighted score above the best so far: that
+        // bar lets each source stop trying match lengths early (same result).
+        if (use_group) {
+          item.group->speculate_into(ctx, ctx_len, p[0], &cand, 0.0);
+          consider(group_weight, Source::kGroup);
+        }
+        item.local->speculate_self_into(item.seq_id, p[1], &cand, best_weighted);
+        consider(1.0, Source::kLocal);
+        if (use_global) {
+          global->speculate_into(ctx, ctx_len, p[2], &cand, best_weighted);
+          consider(1.0, Source::kGlobal);
+        }
       }
     }
     if (source == Source::kNone) reset(&best);

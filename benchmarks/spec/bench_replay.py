@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from war.spec import SpecConfig, SuffixSpeculator
+from war.spec.config import COMBINES
 from war.spec.replay import (
     MODES,
     ReplayReport,
@@ -35,7 +36,9 @@ from war.spec.replay import (
 )
 from war.spec.traces import ORDERS, load_tokenizer, load_trajectories, ordered
 
-_FLAG_TYPES = {"int": int, "float": float, "int | None": int, "float | None": float}
+_FLAG_TYPES = {
+    "int": int, "float": float, "str": str, "int | None": int, "float | None": float,
+}
 
 
 def find_shared(start: Path) -> Path | None:
@@ -76,10 +79,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             continue
         flag, default = "--" + f.name.replace("_", "-"), f"default {f.default}"
         if f.name in ("factor", "max_spec_tokens", "min_prob", "alpha", "alpha_decay",
-                      "local_alpha", "global_alpha"):
+                      "local_alpha", "global_alpha", "merge_threshold"):
             default = ", ".join(f"{getattr(mode_config(m), f.name)} ({m})" for m in MODES)
         if str(f.type) == "bool":
             cfg.add_argument(flag, action=argparse.BooleanOptionalAction, help=default)
+        elif f.name == "combine":
+            cfg.add_argument(flag, choices=COMBINES, help=default)
         elif str(f.type) in _FLAG_TYPES:
             cfg.add_argument(flag, type=_FLAG_TYPES[str(f.type)], help=default)
         else:

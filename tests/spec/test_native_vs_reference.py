@@ -16,6 +16,7 @@ sequence must leave an empty trie, and replaying the operations must not grow th
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from war.spec.reference import MAX_TOKEN, Alpha, ReferenceSuffixTree, reference_propose
+from war.spec.reference import (
+    MAX_TOKEN,
+    Alpha,
+    ReferenceSuffixTree,
+    empty_result,
+    reference_merge,
+    reference_propose,
+)
 
 tree_mod = pytest.importorskip("war.spec.tree")
 SuffixTree: Any = tree_mod.SuffixTree
@@ -404,6 +412,7 @@ PROPOSE_BATCH_ARGS = [
     "local_alpha",
     "global_alpha",
     "group_weight",
+    "merge",
 ]
 
 
@@ -418,10 +427,21 @@ class Batch:
     global_alpha: Alpha
     group_weight: float
     use_global: bool
+    merge: tuple[float, float] | None = None  # (threshold, source min_prob); None: best
+
+
+MERGES = st.one_of(
+    st.none(),
+    st.tuples(
+        st.sampled_from([0.05, 0.2, 0.36, 0.5, 0.75, 1.0]),
+        st.sampled_from([0.0, 0.05, 0.1, 0.3]),
+    ),
+)
 
 
 @st.composite
-def batches(draw: st.DrawFn) -> Batch:
+def batches(draw: st.DrawFn, merge: st.SearchStrategy[tuple[float, float] | None] = MERGES,
+            max_budget: int = 10) -> Batch:
     max_depth = draw(st.integers(1, 8))
     tok = st.integers(0, 3)
     history = draw(st.lists(st.lists(tok, max_size=25), max_size=4))
@@ -440,7 +460,7 @@ def batches(draw: st.DrawFn) -> Batch:
         cut = sorted(draw(st.lists(st.integers(0, len(seq)), max_size=2)))
         chunks = [seq[a:b] for a, b in zip([0, *cut], [*cut, len(seq)], strict=True)]
         group = draw(st.integers(0, len(groups) - 1))
-        budget = draw(st.integers(1, 10)) if draw(st.integers(0, 7)) else 0
+        budget = draw(st.integers(1, max_budget)) if draw(st.integers(0, 7)) else 0
         items.append((chunks, group, budget, draw(st.booleans())))
     return Batch(
         max_depth,
@@ -452,6 +472,7 @@ def batches(draw: st.DrawFn) -> Batch:
         draw(alpha_strategy(max_depth)),
         draw(st.sampled_from([0.0, 0.5, 1.0, 2.0])),
         draw(st.booleans()),
+        draw(merge),
     )
 
 
@@ -464,11 +485,9 @@ def build(max_depth: int, seqs: list[list[int]]) -> tuple[Any, ReferenceSuffixTr
     return nat, ref
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(b=batches())
-def test_propose_batch_matches_reference(b: Batch) -> None:
-    """The native batched choice among group, local and global drafts (section 4, with
-    its early cut-offs) against ``reference_propose``."""
+def check_batch(b: Batch) -> None:
+    """The native batched proposal against ``reference_propose`` (section 4, with its
+    early cut-offs) or, with ``b.merge``, ``reference_merge`` (section 6)."""
     propose_batch = getattr(tree_mod, "propose_batch", None)
     if propose_batch is None or list(inspect.signature(propose_batch).parameters) != (
         PROPOSE_BATCH_ARGS
@@ -499,25 +518,29 @@ def test_propose_batch_matches_reference(b: Batch) -> None:
         tree_mod.alpha_table(b.local_alpha, d),
         tree_mod.alpha_table(b.global_alpha, d),
         b.group_weight,
+        None if b.merge is None else tree_mod.MergeParams(*b.merge),
     )
     for i, (_, g, budget, _) in enumerate(b.items):
         ref = locals_ref[i]
         ctx = ref.sequence(local_id)
         group_ref = group_trees[g][1]
-        name, expected = reference_propose(
-            [
-                ("group", group_ref, ctx, b.group_weight),
-                ("local", ref, ctx, 1.0),
-                ("global", global_ref if b.use_global else None, ctx, 1.0),
-            ],
-            min(max_tokens, budget),
-            factor,
-            offset,
-            min_prob,
-            tree,
-            alpha,
-            source_alphas=[alpha, b.local_alpha, b.global_alpha],
-        )
+        sources = [
+            ("group", group_ref, ctx, b.group_weight),
+            ("local", ref, ctx, 1.0),
+            ("global", global_ref if b.use_global else None, ctx, 1.0),
+        ]
+        source_alphas = [alpha, b.local_alpha, b.global_alpha]
+        if b.merge is None:
+            name, expected = reference_propose(
+                sources, min(max_tokens, budget), factor, offset, min_prob, tree, alpha,
+                source_alphas=source_alphas,
+            )
+        else:
+            threshold, source_min_prob = b.merge
+            name, expected = reference_merge(
+                sources, min(max_tokens, budget), factor, offset, source_min_prob, threshold,
+                tree, alpha, source_alphas=source_alphas,
+            )
         lo, hi = int(out.offsets[i]), int(out.offsets[i + 1])
         got = (
             ints(out.token_ids[lo:hi]),
@@ -528,6 +551,66 @@ def test_propose_batch_matches_reference(b: Batch) -> None:
         )
         got_name = tree_mod.SOURCE_NAMES[int(out.sources[i])]
         assert (got_name, got) == (name, spec_of(expected)), f"item {i}"
+        if b.merge is not None:
+            # a merged draft: parents precede children, values within [threshold, 1],
+            # never more tokens than the budget, chains when not a tree
+            assert len(got[0]) <= min(max_tokens, budget)
+            assert all(-1 <= p < j for j, p in enumerate(got[1]))
+            assert all(b.merge[0] <= v <= 1.0 for v in got[2])
+            if not tree:
+                assert got[1] == list(range(-1, len(got[1]) - 1))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(b=batches())
+def test_propose_batch_matches_reference(b: Batch) -> None:
+    """The native batched choice or merge of group, local and global drafts against the
+    reference (best and merge, mixed)."""
+    check_batch(b)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(b=batches(merge=MERGES.filter(lambda m: m is not None), max_budget=3))
+def test_propose_batch_merge_small_budgets(b: Batch) -> None:
+    """The merge alone with budgets 0 to 3 (the cut at the budget, ties near the top)."""
+    check_batch(b)
+
+
+def test_propose_batch_merge_examples() -> None:
+    """Hand-checked merges: noisy-or of two sources, ties, threshold, chain vs tree."""
+    d = 4
+    group_nat, group_ref = build(d, [[1, 2, 3, 4], [1, 2, 3, 5]])
+    global_nat, global_ref = build(d, [[1, 2, 3, 4], [1, 2, 6, 7]])
+    local_nat, local_ref = build(d, [[9, 1, 2]])
+    for tree, threshold, budget in itertools.product((False, True), (0.2, 0.5, 0.8), (0, 1, 4)):
+        b_tree = tree_mod.draft_params(8, 2.0, 0.0, 0.9, tree, 0.0, d)
+        out = tree_mod.propose_batch(
+            [local_nat], [0], [group_nat], global_nat, np.asarray([budget], dtype=np.int32),
+            b_tree, tree_mod.alpha_table(0.0, d), tree_mod.alpha_table(0.0, d), 1.0,
+            tree_mod.MergeParams(threshold, 0.0),
+        )
+        name, expected = reference_merge(
+            [("group", group_ref, [9, 1, 2], 1.0), ("local", local_ref, [9, 1, 2], 1.0),
+             ("global", global_ref, [9, 1, 2], 1.0)],
+            budget, 2.0, 0.0, 0.0, threshold, tree, 0.0,
+        )
+        got = (ints(out.token_ids), ints(out.parents), [float(p) for p in out.probs],
+               float(out.scores[0]), int(out.match_lens[0]))
+        assert (tree_mod.SOURCE_NAMES[int(out.sources[0])], got) == (name, spec_of(expected))
+        # group: 3 (p 1), then 4 or 5 (0.5 each); global: 3 and 6 (0.5 each), then 4, 7
+        # (0.5 each). Merged: 3 -> 1 - 0 * 0.5 = 1.0 (group's term the largest),
+        # 3 4 -> 1 - 0.5 * 0.5 = 0.75, 3 5 -> 0.5, 6 -> 0.5, 6 7 -> 0.5.
+        if budget == 0:
+            assert name == "none" and expected == empty_result()
+            continue
+        assert name == "group" and expected.match_len == 2
+        if tree:
+            want = [((3,), 1.0), ((3, 4), 0.75), ((6,), 0.5), ((3, 5), 0.5), ((6, 7), 0.5)]
+        else:
+            want = [((3,), 1.0), ((3, 4), 0.75)]
+        want = [w for w in want if w[1] >= threshold][:budget]
+        assert expected.probs == [v for _, v in want]
+        assert expected.token_ids == [p[-1] for p, _ in want]
 
 
 # ----------------------------------------------------------------------------- memory

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -14,12 +15,25 @@ from war.types import Draft
 # so tests can predict drafts exactly.
 EXACT = SpecConfig(
     max_depth=16, max_spec_tokens=8, factor=8.0, min_prob=0.0, alpha=0.0, local_alpha=0.0,
-    global_alpha=0.0, alpha_decay=1.0, lead_in=2,
+    global_alpha=0.0, alpha_decay=1.0, lead_in=2, merge_threshold=0.0, merge_min_prob=0.0,
 )
 
 
+_COMBINE = {"value": "best"}
+
+
+@pytest.fixture(autouse=True, params=["best", "merge"])
+def combine(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test's ``spec()`` runs with both ways of combining sources (with EXACT's
+    settings they draft the same in these tests)."""
+    _COMBINE["value"] = str(request.param)
+    yield _COMBINE["value"]
+    _COMBINE["value"] = "best"
+
+
 def spec(**overrides: object) -> SuffixSpeculator:
-    return SuffixSpeculator(dataclasses.replace(EXACT, **overrides))  # type: ignore[arg-type]
+    values: dict[str, object] = {"combine": _COMBINE["value"], **overrides}
+    return SuffixSpeculator(dataclasses.replace(EXACT, **values))  # type: ignore[arg-type]
 
 
 def snapshot(s: SuffixSpeculator) -> tuple[int, int, int, int]:
@@ -300,6 +314,13 @@ def test_bad_ids_and_budgets_change_nothing() -> None:
         ("history_window_steps", 0),
         ("history_token_budget", -5),
         ("max_depth", 2**40),
+        ("combine", "mix"),
+        ("combine", None),
+        ("merge_threshold", 1.5),
+        ("merge_threshold", -0.1),
+        ("merge_threshold", float("nan")),
+        ("merge_min_prob", -0.5),
+        ("merge_min_prob", "0.1"),
     ],
 )
 def test_config_rejects_bad_values(field: str, value: object) -> None:
@@ -312,3 +333,34 @@ def test_alpha_table_decays_with_depth() -> None:
     assert c.alpha_table() == (2.0, 1.0, 0.5, 0.25)
     assert c.alpha_table(c.local_alpha) == (4.0, 2.0, 1.0, 0.5)
     assert SpecConfig.tree_preset(min_prob=0.2).tree
+
+
+def test_combine_settings_and_baseline() -> None:
+    assert SpecConfig().combine == "best" and SpecConfig.tree_preset().combine == "best"
+    assert (SpecConfig().merge_threshold, SpecConfig.tree_preset().merge_threshold) == (0.36, 0.38)
+    for mode in ("path", "tree"):
+        assert SpecConfig.baseline(mode).combine == "best"
+    SpecConfig(combine="best", merge_threshold=0.0, merge_min_prob=1.0)  # valid
+
+
+def test_best_and_merge_differ_as_specified() -> None:
+    """The group saw 10 11 once, two other tasks 10 12: "best" keeps the global draft
+    alone (10 12); "merge" adds up the evidence of both for each path (10 11)."""
+    drafts = {}
+    for combine in ("best", "merge"):
+        s = spec(combine=combine, merge_threshold=0.38, alpha=1.0, global_alpha=1.0)
+        for tid, group, answer in ((1, "A", [10, 11]), (2, "B", [10, 12]), (3, "C", [10, 12])):
+            s.start(tid, [1, 2, 3], group_id=group)
+            s.extend(tid, answer)
+            s.finish(tid)
+        s.start(4, [1, 2, 3], group_id="A")
+        (drafts[combine],) = s.propose([4])
+    best, merged = drafts["best"], drafts["merge"]
+    # group A: 10 (1/2), 10 11 (1/4); global: 10 (3/4), 10 12 (3/8), 10 11 (3/16)
+    assert best.source == "global" and best.token_ids == (10, 12)
+    assert best.probs == (0.75, 0.375) and best.match_len == 2
+    # merged: 10 -> 1 - (1 - 1/2)(1 - 3/4) = 7/8; 10 11 -> 1 - (3/4)(13/16) = 25/64;
+    # 10 12 -> 3/8 < 25/64; the global source has the larger term on 10
+    assert merged.source == "global" and merged.token_ids == (10, 11)
+    assert merged.probs == (0.875, 0.390625) and merged.score == 1.265625
+    assert merged.match_len == 2

@@ -43,5 +43,6 @@ def propose_batch(
     locals: list[SuffixTree], seq_ids: npt.NDArray[np.int64], groups: list[SuffixTree],
     global_tree: SuffixTree | None, budgets: _I32, max_tokens: int, factor: float,
     offset: float, min_prob: float, tree: bool, alpha_group: _F64, alpha_local: _F64,
-    alpha_global: _F64, group_weight: float,
+    alpha_global: _F64, group_weight: float, merge: bool, merge_threshold: float,
+    merge_min_prob: float,
 ) -> tuple[_I32, _I32, _F64, npt.NDArray[np.int64], _F64, npt.NDArray[np.int8], _I32]: ...

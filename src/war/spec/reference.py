@@ -12,7 +12,8 @@ This module implements ``docs/suffix-speculation.md`` literally, and nothing els
   the counts of ``v``'s children and ``alpha`` is a number or a table of ``D + 1``
   values, one per depth;
 * section 3: the best draft over match lengths ``K, K-1, ..., 1`` with the early break;
-* section 4: the choice among weighted sources (:func:`reference_propose`).
+* section 4: the choice among weighted sources (:func:`reference_propose`);
+* section 6: the merge of the sources' drafts by token path (:func:`reference_merge`).
 
 What it does not know: the path-compressed layout of the native trees, their memory
 accounting, batching, threading, or how the trajectory/group/global history trees are
@@ -36,6 +37,7 @@ __all__ = [
     "ReferenceSuffixTree",
     "SpecResult",
     "empty_result",
+    "reference_merge",
     "reference_propose",
 ]
 
@@ -446,3 +448,91 @@ def reference_propose(
         if weighted > best_weighted:
             best_name, best, best_weighted = name, d, weighted
     return best_name, best
+
+
+def reference_merge(
+    sources: Sequence[tuple[str, ReferenceSuffixTree | None, Sequence[int], float]],
+    max_tokens: int,
+    factor: float,
+    offset: float,
+    source_min_prob: float,
+    threshold: float,
+    tree: bool,
+    alpha: Alpha,
+    source_alphas: Sequence[Alpha | None] | None = None,
+) -> tuple[str, SpecResult]:
+    """Section 6: each source is ``(name, tree or None, context, weight)``; sources with
+    no tree or a weight ``<= 0`` take no part. Each source drafts its best *tree* draft
+    (section 3, ``min_prob = source_min_prob``); the drafts merge by token path, a path's
+    value being ``1 - prod_s (1 - min(1, w_s * p_s))`` over the sources that drafted it
+    (multiplied in source order). ``tree``: keep up to ``max_tokens`` paths of value
+    ``>= threshold``, best first (ties: shorter path, then first seen), each only after
+    its parent; else the chain that follows the child of highest value (ties: first seen)
+    while it is ``>= threshold``. The draft's ``probs`` are the values, its ``score`` their
+    sum; the name and ``match_len`` are those of the source with the largest term on the
+    first token (ties: the earlier source); ``("none", empty_result())`` if empty.
+
+    ``source_alphas``: as for :func:`reference_propose`.
+    """
+    if source_alphas is not None and len(source_alphas) != len(sources):
+        raise ValueError("source_alphas must have one entry per source")
+    # merged nodes by path, in order of first appearance:
+    # path -> [prod, best term, source name, match_len]
+    nodes: dict[tuple[int, ...], list[float | str | int]] = {}
+    for i, (name, src_tree, context, weight) in enumerate(sources):
+        if src_tree is None or not weight > 0.0:
+            continue
+        a = alpha
+        if source_alphas is not None:
+            override = source_alphas[i]
+            if override is not None:
+                a = override
+        d = src_tree.speculate(context, max_tokens, factor, offset, source_min_prob, True, a)
+        paths: list[tuple[int, ...]] = []
+        for tok, par, p in zip(d.token_ids, d.parents, d.probs, strict=True):
+            path = (*(paths[par] if par >= 0 else ()), tok)
+            paths.append(path)
+            node = nodes.setdefault(path, [1.0, -1.0, "none", 0])
+            term = min(1.0, weight * p)
+            node[0] = float(node[0]) * (1.0 - term)
+            if term > float(node[1]):
+                node[1], node[2], node[3] = term, name, d.match_len
+    value = {path: 1.0 - float(node[0]) for path, node in nodes.items()}
+    first_seen = {path: j for j, path in enumerate(nodes)}
+    chosen: list[tuple[int, ...]] = []
+    if tree:
+        ranked = sorted(
+            (path for path, v in value.items() if v >= threshold),
+            key=lambda path: (-value[path], len(path), first_seen[path]),
+        )
+        for path in ranked:
+            if len(chosen) >= max_tokens:
+                break
+            if len(path) == 1 or path[:-1] in chosen:
+                chosen.append(path)
+    else:
+        cur: tuple[int, ...] = ()
+        while len(chosen) < max_tokens:
+            kids = [path for path in nodes if len(path) == len(cur) + 1 and path[:-1] == cur]
+            if not kids:
+                break
+            best = kids[0]
+            for path in kids[1:]:
+                if value[path] > value[best]:
+                    best = path
+            if not value[best] >= threshold:
+                break
+            chosen.append(best)
+            cur = best
+    if not chosen:
+        return "none", empty_result()
+    index = {path: j for j, path in enumerate(chosen)}
+    probs = [value[path] for path in chosen]
+    first = nodes[chosen[0]]
+    return str(first[2]), SpecResult(
+        [path[-1] for path in chosen],
+        [index[path[:-1]] if len(path) > 1 else -1 for path in chosen],
+        probs,
+        ReferenceSuffixTree._score(probs),
+        int(first[3]),
+    )

@@ -6,7 +6,8 @@ memory bounds of that history, and how to ask the native trees for drafts in one
 batched call. Does not know: models, logits, verification or load (the engine
 decides each sequence's draft budget), nor HTTP.
 
-Sources, in order of preference (docs/suffix-speculation.md, section 4):
+Sources, in order of preference (docs/suffix-speculation.md, section 4; with
+``SpecConfig.combine == "merge"`` their drafts are merged instead, section 6):
 
 * ``group``: completed responses of the trajectory's group (its siblings in this
   RL step and the same task in earlier steps);
@@ -30,6 +31,7 @@ from war.spec.tree import (
     SOURCE_NAMES,
     BatchDrafts,
     DraftParams,
+    MergeParams,
     SuffixTree,
     TokensLike,
     alpha_table,
@@ -75,6 +77,9 @@ class SuffixSpeculator:
         )
         self._local_alpha = alpha_table(c.alpha_table(c.local_alpha), c.max_depth)
         self._global_alpha = alpha_table(c.alpha_table(c.global_alpha), c.max_depth)
+        self._merge = (
+            MergeParams(c.merge_threshold, c.merge_min_prob) if c.combine == "merge" else None
+        )
         self._trajs: dict[int, _Trajectory] = {}
         self._groups: dict[Hashable, SuffixTree] = {}
         self._global = SuffixTree(c.max_depth)
@@ -262,6 +267,7 @@ class SuffixSpeculator:
             self._local_alpha,
             self._global_alpha,
             self.config.group_weight,
+            self._merge,
         )
 
     def _budgets(self, budgets: Sequence[int] | int | None, n: int) -> np.ndarray:

@@ -109,6 +109,13 @@ class DraftParams(NamedTuple):
     alpha: npt.NDArray[np.float64]  # smoothing per trie depth, 0..max_depth
 
 
+class MergeParams(NamedTuple):
+    """How a merge of the sources' drafts cuts (docs/suffix-speculation.md, section 6)."""
+
+    threshold: float  # merged value a draft token needs, in [0, 1]
+    min_prob: float  # each source's tree-draft min_prob, in [0, 1]
+
+
 AlphaLike = float | Sequence[float] | npt.NDArray[np.float64]
 
 
@@ -288,11 +295,15 @@ def propose_batch(
     local_alpha: npt.NDArray[np.float64],
     global_alpha: npt.NDArray[np.float64],
     group_weight: float,
+    merge: MergeParams | None = None,
 ) -> BatchDrafts:
     """Drafts for many sequences in one native call (GIL released while drafting).
 
     ``params.alpha`` smooths group drafts; local and global drafts have their own
-    tables. Inputs are trusted: the speculator builds them from validated state.
+    tables. ``merge``: None keeps the best single source (section 4), else the
+    sources' drafts are merged (section 6; ``params.tree`` is then the shape of the
+    merged draft, ``params.min_prob`` unused). Inputs are trusted: the speculator
+    builds them from validated state.
     """
     out = _C.propose_batch(
         [t.native for t in locals_],
@@ -304,5 +315,8 @@ def propose_batch(
         local_alpha,
         global_alpha,
         float(group_weight),
+        merge is not None,
+        0.5 if merge is None else float(merge.threshold),
+        0.05 if merge is None else float(merge.min_prob),
     )
     return BatchDrafts(*out)
