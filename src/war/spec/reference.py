@@ -438,16 +438,20 @@ def reference_propose(
     for i, (name, src_tree, context, weight) in enumerate(sources):
         if src_tree is None:
             continue
-        a = alpha
-        if source_alphas is not None:
-            override = source_alphas[i]
-            if override is not None:
-                a = override
+        a = _source_alpha(alpha, source_alphas, i)
         d = src_tree.speculate(context, max_tokens, factor, offset, min_prob, tree, a)
         weighted = d.score * weight
         if weighted > best_weighted:
             best_name, best, best_weighted = name, d, weighted
     return best_name, best
+
+
+def _source_alpha(alpha: Alpha, source_alphas: Sequence[Alpha | None] | None,
+                  i: int) -> Alpha:
+    """Source ``i``'s smoothing: its override, else ``alpha``."""
+    if source_alphas is not None and source_alphas[i] is not None:
+        return source_alphas[i]  # type: ignore[return-value]
+    return alpha
 
 
 def reference_merge(
@@ -482,11 +486,7 @@ def reference_merge(
     for i, (name, src_tree, context, weight) in enumerate(sources):
         if src_tree is None or not weight > 0.0:
             continue
-        a = alpha
-        if source_alphas is not None:
-            override = source_alphas[i]
-            if override is not None:
-                a = override
+        a = _source_alpha(alpha, source_alphas, i)
         d = src_tree.speculate(context, max_tokens, factor, offset, source_min_prob, True, a)
         paths: list[tuple[int, ...]] = []
         for tok, par, p in zip(d.token_ids, d.parents, d.probs, strict=True):
