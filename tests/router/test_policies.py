@@ -26,7 +26,7 @@ from war.router.policies import (
     make_policy,
 )
 from war.router.policies.base import ReplicaView
-from war.router.policies.progress import RecentMap
+from war.router.policies.progress import RecentMap, Sample
 from war.types import GenRequest, GenResult, SamplingParams
 
 
@@ -506,6 +506,58 @@ def test_progress_estimate_numbers() -> None:
     # unknown groups use every sample
     assert est.expected_remaining("zzz", 0, 0) is not None
     assert len(est.samples(None)) == 4
+
+
+def _brute_remaining(samples: list[Sample], k: int, d: int, c: float, h: float) -> float:
+    """The module docstring's estimate, computed from the samples directly."""
+    newest = max(x.end for x in samples)
+    swt = swk = ahead = ahead_k = 0.0
+    for x in samples:
+        w = 0.5 ** ((newest - x.end) / h)
+        swt += w * x.tokens
+        swk += w * x.turns
+        if x.turns > k:
+            ahead += w
+            ahead_k += w * (x.turns - k)
+    rate = (d + c * (swt / swk if swk > 0 else 0.0)) / (k + c)
+    return (ahead_k / ahead if ahead > 0 else 1.0) * rate
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_progress_sums_match_the_samples(data: st.DataObject) -> None:
+    """The estimate keeps running sums as samples come, go (evicted, or taken back when a
+    trajectory resumes) and age past the weights' range; it equals the formula computed
+    from the held samples."""
+    cfg = ProgressConfig(half_life_s=data.draw(st.sampled_from([1.0, 50.0])),
+                         max_samples_per_group=data.draw(st.integers(1, 6)),
+                         max_global_samples=data.draw(st.integers(1, 12)),
+                         finish_idle_s=5.0, trajectory_ttl_s=1e9)
+    est = ProgressEstimator(cfg)
+    now = 0.0
+    for _ in range(data.draw(st.integers(1, 60))):
+        now += data.draw(st.sampled_from([0.0, 0.5, 3.0, 400.0]))  # 400 s: past 2**256
+        tid = f"t{data.draw(st.integers(0, 8))}"
+        gid = data.draw(st.sampled_from([None, "a", "b"]))
+        op = data.draw(st.sampled_from(["sample", "turn", "finish"]))
+        if op == "sample":
+            est.add_sample(gid, data.draw(st.integers(1, 9)), data.draw(st.integers(0, 500)),
+                           now, trajectory_id=tid)
+        elif op == "turn":  # a trajectory begins (taking back a counted sample) and ends
+            est.begin(tid, gid, now)
+            est.observe(tid, gid, data.draw(st.integers(0, 300)), now)
+        else:
+            est.finish(tid, now)
+        for group in (None, "a", "b"):
+            held = est.samples(group)
+            fallback = held or est.samples(None)
+            for k, d in ((0, 0), (2, 90), (7, 10)):
+                got = est.expected_remaining(group, k, d)
+                if not fallback:
+                    assert got is None
+                    continue
+                want = _brute_remaining(fallback, k, d, cfg.rate_prior_turns, cfg.half_life_s)
+                assert got == pytest.approx(want, rel=1e-9, abs=1e-9)
 
 
 def test_progress_idle_finish_and_comeback() -> None:

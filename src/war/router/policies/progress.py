@@ -169,6 +169,136 @@ class _Traj:
     counted: bool = False  # its totals are among the finished samples
 
 
+_HEAVY = 0.25  # a removed sample weighing more than this share of a sum: recompute
+
+
+class _Samples:
+    """Finished samples (key -> ``Sample``, oldest first) with the weighted sums the
+    estimate needs, kept as samples come and go, so that an estimate costs a pass over
+    the distinct turn counts, not over the samples (a fleet prior holds a thousand).
+
+    A sample's weight is ``2 ** ((end - ref) / half_life)`` for a reference time
+    ``ref`` (the ratios of the estimate do not depend on it); ``ref`` moves to the
+    newest sample, and every sum is recomputed, when a new sample would outweigh it by
+    more than 2**256, and the
+    sums are recomputed from the samples after as many changes as there are samples,
+    and whenever a removed sample weighs a large share of a sum, which bounds the
+    rounding that adding and removing leaves."""
+
+    __slots__ = ("_changes", "_ref", "by_turns", "half_life", "items", "sum_w", "sum_wk",
+                 "sum_wt")
+
+    def __init__(self, half_life: float) -> None:
+        self.items: OrderedDict[str, Sample] = OrderedDict()
+        self.half_life = half_life
+        self._ref: float | None = None
+        self._changes = 0
+        self.sum_w = 0.0  # sum of weights
+        self.sum_wt = 0.0  # sum of w * tokens
+        self.sum_wk = 0.0  # sum of w * turns
+        self.by_turns: dict[int, list[float]] = {}  # turns -> [count, sum w, sum w * turns]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def put(self, key: str, sample: Sample) -> None:
+        """Adds ``sample`` as the newest (replacing ``key``'s earlier one)."""
+        old = self.items.pop(key, None)
+        if old is not None:
+            self._sub(old)
+        self.items[key] = sample
+        if self._ref is None or (sample.end - self._ref) / self.half_life > 256.0:
+            self._ref = sample.end
+            self._recompute()
+        else:
+            self._add(sample)
+            self._changed()
+
+    def pop(self, key: str) -> Sample | None:
+        sample = self.items.pop(key, None)
+        if sample is not None:
+            self._sub(sample)
+            self._changed()
+        return sample
+
+    def pop_oldest(self) -> None:
+        _, sample = self.items.popitem(last=False)
+        self._sub(sample)
+        self._changed()
+
+    def remaining(self, turns_done: int, tokens_done: int, rate_prior_turns: float) -> float:
+        """The module docstring's estimate (at least one sample is held)."""
+        sample_rate = self.sum_wt / self.sum_wk if self.sum_wk > 0.0 else 0.0
+        ahead_w = ahead_wk = 0.0
+        for turns, (_, w, wk) in self.by_turns.items():
+            if turns > turns_done:
+                ahead_w += w
+                ahead_wk += wk - turns_done * w
+        remaining_turns = ahead_wk / ahead_w if ahead_w > 0.0 else 1.0
+        c = rate_prior_turns
+        rate = ((tokens_done + c * sample_rate) / (turns_done + c) if turns_done + c > 0
+                else sample_rate)
+        return remaining_turns * rate
+
+    def _weight(self, sample: Sample) -> float:
+        assert self._ref is not None, "a weight needs a reference time"
+        return float(2.0 ** ((sample.end - self._ref) / self.half_life))
+
+    def _add(self, sample: Sample) -> None:
+        w = self._weight(sample)
+        self.sum_w += w
+        self.sum_wt += w * sample.tokens
+        self.sum_wk += w * sample.turns
+        bucket = self.by_turns.get(sample.turns)
+        if bucket is None:
+            self.by_turns[sample.turns] = [1.0, w, w * sample.turns]
+        else:
+            bucket[0] += 1.0
+            bucket[1] += w
+            bucket[2] += w * sample.turns
+
+    def _sub(self, sample: Sample) -> None:
+        if not self.items:  # the last one left: nothing to subtract from
+            self._ref = None
+            self.sum_w = self.sum_wt = self.sum_wk = 0.0
+            self.by_turns.clear()
+            return
+        w = self._weight(sample)
+        bucket = self.by_turns[sample.turns]
+        if (bucket[0] > 1.0 and w > _HEAVY * bucket[1]) or w > _HEAVY * self.sum_w:
+            # Subtracting most of a sum leaves its rounding error as large as what
+            # remains (a recent sample taken back, older ones weigh 2**-400): recompute.
+            self._recompute()
+            return
+        self.sum_w -= w
+        self.sum_wt -= w * sample.tokens
+        self.sum_wk -= w * sample.turns
+        if bucket[0] <= 1.0:
+            del self.by_turns[sample.turns]  # exactly zero, not a rounding residue
+        else:
+            bucket[0] -= 1.0
+            bucket[1] -= w
+            bucket[2] -= w * sample.turns
+
+    def _changed(self) -> None:
+        self._changes += 1
+        if self._changes > max(64, len(self.items)):
+            self._recompute()
+
+    def _recompute(self) -> None:
+        """Every sum from the samples, weights relative to the newest (as the module
+        docstring's; older samples may underflow to zero, never newer ones)."""
+        self._changes = 0
+        self.sum_w = self.sum_wt = self.sum_wk = 0.0
+        self.by_turns = {}
+        if not self.items:
+            self._ref = None
+            return
+        self._ref = max(sample.end for sample in self.items.values())
+        for sample in self.items.values():
+            self._add(sample)
+
+
 class ProgressEstimator:
     """Tracks trajectories' progress and groups' finished samples; estimates the
     remaining work of a trajectory. Every call may expire old state at ``now``."""
@@ -179,8 +309,8 @@ class ProgressEstimator:
         self._active: OrderedDict[str, _Traj] = OrderedDict()  # requests in flight
         self._idle: OrderedDict[str, _Traj] = OrderedDict()  # none in flight, not counted
         self._done: OrderedDict[str, _Traj] = OrderedDict()  # counted as finished
-        self._groups: OrderedDict[str, OrderedDict[str, Sample]] = OrderedDict()
-        self._global: OrderedDict[str, Sample] = OrderedDict()
+        self._groups: OrderedDict[str, _Samples] = OrderedDict()
+        self._global = _Samples(self.config.half_life_s)
         self._anon = count()
 
     # ------------------------------------------------------------------ observing
@@ -262,7 +392,7 @@ class ProgressEstimator:
     def samples(self, group_id: str | None) -> list[Sample]:
         """The group's finished samples (``None``: the fleet-wide ones), oldest first."""
         table = self._global if group_id is None else self._groups.get(group_id)
-        return list(table.values()) if table else []
+        return list(table.items.values()) if table else []
 
     def has_samples(self, group_id: str | None) -> bool:
         """Whether the group (``None``: the fleet) has a finished sample."""
@@ -274,29 +404,12 @@ class ProgressEstimator:
         """Expected tokens still to generate by a trajectory of ``group_id`` that has
         done ``turns_done`` turns and ``tokens_done`` tokens (module docstring);
         ``None`` when no finished sample is known."""
-        samples = self.samples(group_id) if group_id is not None else []
-        if not samples:
-            samples = self.samples(None)
-        if not samples:
+        table = self._groups.get(group_id) if group_id is not None else None
+        if not table:
+            table = self._global
+        if not table:
             return None
-        # weights relative to the newest sample: the estimate is a ratio of weighted
-        # sums, so this equals weighting by age at any ``now`` and cannot underflow
-        newest = max(s.end for s in samples)
-        half_life = self.config.half_life_s
-        sum_wt = sum_wk = ahead_w = ahead_wk = 0.0
-        for s in samples:
-            w = 0.5 ** ((newest - s.end) / half_life)
-            sum_wt += w * s.tokens
-            sum_wk += w * s.turns
-            if s.turns > turns_done:
-                ahead_w += w
-                ahead_wk += w * (s.turns - turns_done)
-        sample_rate = sum_wt / sum_wk if sum_wk > 0.0 else 0.0
-        remaining_turns = ahead_wk / ahead_w if ahead_w > 0.0 else 1.0
-        c = self.config.rate_prior_turns
-        rate = ((tokens_done + c * sample_rate) / (turns_done + c) if turns_done + c > 0
-                else sample_rate)
-        return remaining_turns * rate
+        return table.remaining(turns_done, tokens_done, self.config.rate_prior_turns)
 
     def remaining_for(self, trajectory_id: str, group_id: str | None) -> float | None:
         """``expected_remaining`` for a tracked trajectory's own progress (an unknown
@@ -372,23 +485,21 @@ class ProgressEstimator:
         if t.group_id is not None:
             group = self._groups.get(t.group_id)
             if group is not None:
-                group.pop(trajectory_id, None)
-        self._global.pop(trajectory_id, None)
+                group.pop(trajectory_id)
+        self._global.pop(trajectory_id)
 
     def _record(self, key: str, group_id: str | None, sample: Sample) -> None:
         cfg = self.config
         if group_id is not None:
             group = self._groups.pop(group_id, None)
             if group is None:
-                group = OrderedDict()
-            group.pop(key, None)
-            group[key] = sample
+                group = _Samples(cfg.half_life_s)
+            group.put(key, sample)
             while len(group) > cfg.max_samples_per_group:
-                group.popitem(last=False)
+                group.pop_oldest()
             self._groups[group_id] = group  # most recently updated last
             while len(self._groups) > cfg.max_groups:
                 self._groups.popitem(last=False)
-        self._global.pop(key, None)
-        self._global[key] = sample
+        self._global.put(key, sample)
         while len(self._global) > cfg.max_global_samples:
-            self._global.popitem(last=False)
+            self._global.pop_oldest()
