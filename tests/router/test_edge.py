@@ -330,6 +330,19 @@ def test_a_failing_lifespan_fails_the_start() -> None:
         pass
 
 
+def test_a_taken_port_fails_the_start_before_the_lifespan() -> None:
+    events: list[str] = []
+    with running(side_app([]), {}) as (_, port, _edge):
+        second = Edge(side_app(events), {})
+
+        async def start() -> None:
+            await second.start("127.0.0.1", port)
+
+        with pytest.raises(OSError):
+            asyncio.run(start())
+    assert events == []  # nothing was started for the server that could not bind
+
+
 def test_config_validation() -> None:
     for bad in ({"max_body_bytes": 0}, {"keepalive_s": 0}, {"shutdown_grace_s": -1},
                 {"max_queued": 0}):

@@ -363,12 +363,21 @@ class Edge:
         self._lifespan: Lifespan | None = None
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
-        """Runs the app's lifespan startup and listens; returns the bound address."""
-        self._lifespan = Lifespan(self.app, self.state)
-        await self._lifespan.startup()
+        """Binds, runs the app's lifespan startup, then accepts connections; returns the
+        bound address. A bind that fails (``OSError``: the port is taken) starts
+        nothing; a startup that fails (``RuntimeError``) closes the socket."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port)
-        sock = self._server.sockets[0].getsockname()
+        server = await loop.create_server(lambda: _Connection(self), host, port,
+                                          start_serving=False)
+        try:
+            self._lifespan = Lifespan(self.app, self.state)
+            await self._lifespan.startup()
+        except BaseException:
+            server.close()
+            raise
+        self._server = server
+        await server.start_serving()
+        sock = server.sockets[0].getsockname()
         self.sockname = (str(sock[0]), int(sock[1]))
         return self.sockname
 

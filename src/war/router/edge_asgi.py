@@ -153,12 +153,15 @@ class Lifespan:
                  "state": self.state}
         try:
             await self.app(scope, self._inbox.get, self._send)
-        except BaseException as e:
+        except asyncio.CancelledError:
             for fut in (self._started, self._stopped):
-                if not fut.done():
-                    fut.set_exception(RuntimeError(f"the app's lifespan failed: {e!r}"))
-            if not isinstance(e, Exception):
-                raise
+                fut.cancel()  # (no-op when done)
+            raise
+        except Exception as e:
+            # the phase under way fails: startup (awaited by ``startup``), else shutdown
+            fut = self._started if not self._started.done() else self._stopped
+            if not fut.done():
+                fut.set_exception(RuntimeError(f"the app's lifespan failed: {e!r}"))
         finally:
             for fut in (self._started, self._stopped):
                 if not fut.done():
