@@ -19,14 +19,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from war.engine.bench import TraceModelConfig, machine_info, measure_cost_curve
+from war.engine.bench import (
+    COST_STATISTICS,
+    TraceModelConfig,
+    machine_info,
+    measure_cost_curve,
+)
 from war.engine.loader import init_random
 
 
@@ -41,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--passes", type=int, default=3,
                    help="passes over the whole grid; a shape's figure is the statistic of its "
                         "passes' figures (the machine is shared: one pass alone is noisy)")
-    p.add_argument("--statistic", choices=["median", "min"], default="median",
+    p.add_argument("--statistic", choices=sorted(COST_STATISTICS), default="median",
                    help="how repeats and passes combine (min: other work on a shared "
                         "machine only slows a pass down)")
     p.add_argument("--threads", type=int, default=1)
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                 passes.setdefault((context, p.batch, p.draft_tokens), []).append(p.step_ms)
     points: list[dict[str, Any]] = [
         {"batch": b, "draft_tokens": k, "context": c,
-         "step_ms": min(ms) if args.statistic == "min" else statistics.median(ms),
+         "step_ms": COST_STATISTICS[args.statistic](ms),
          "step_ms_passes": ms}
         for (c, b, k), ms in passes.items()
     ]

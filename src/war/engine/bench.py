@@ -264,6 +264,11 @@ class CostPoint:
     step_ms: float  # median of build_batch + model.forward
 
 
+# how a cost-curve shape's repeats combine (``measure_cost_curve``'s ``statistic``)
+COST_STATISTICS: dict[str, Callable[[Sequence[float]], float]] = {
+    "median": statistics.median, "min": min}
+
+
 def measure_cost_curve(model: CausalLM, batches: Sequence[int], drafts: Sequence[int],
                        context_len: int, repeats: int, seed: int = 0,
                        statistic: str = "median") -> list[CostPoint]:
@@ -274,9 +279,10 @@ def measure_cost_curve(model: CausalLM, batches: Sequence[int], drafts: Sequence
     after the largest runs with cold caches); a shape's figure is the ``statistic``
     (``median``, or ``min``: on a shared machine other work only slows a pass down) of
     its repeats."""
-    if statistic not in ("median", "min"):
-        raise ValueError(f"statistic must be 'median' or 'min', got {statistic!r}")
-    reduce: Callable[[list[float]], float] = min if statistic == "min" else statistics.median
+    reduce = COST_STATISTICS.get(statistic)
+    if reduce is None:
+        raise ValueError(f"statistic must be one of {sorted(COST_STATISTICS)}, "
+                         f"got {statistic!r}")
     rng = np.random.default_rng(seed)
     span = context_len + max(drafts) + 1
     bs = 16

@@ -284,7 +284,7 @@ class _Connection(asyncio.Protocol):
             self.transport.write(data)
 
     def _refuse(self, status: int, message: str) -> None:
-        self._write(json_response(status, error_json(message), False))
+        self._write(json_response(status, error_json(status, message), False))
         self._close()
 
     def _too_large(self) -> None:
@@ -298,7 +298,8 @@ class _Connection(asyncio.Protocol):
             status, body = route.too_large()
         else:
             status = 413
-            body = error_json(f"request body larger than {self.edge.config.max_body_bytes} bytes")
+            limit = self.edge.config.max_body_bytes
+            body = error_json(413, f"request body larger than {limit} bytes")
         self.queue.append(_Request(method, path, b"", [], b"", False, "1.1",
                                    preset=json_response(status, body, False)))
         self.closing = True

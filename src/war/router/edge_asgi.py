@@ -54,11 +54,12 @@ class Exchange:
         except Exception:
             log.exception("the app failed on %s %s", self.scope["method"], self.scope["path"])
             if not self._started:
-                self.write(json_response(500, error_json("internal server error"), False))
+                self.write(json_response(500, error_json(500, "internal server error"), False))
             return False
         if not self._done:  # the app returned without finishing its answer
             if not self._started:
-                self.write(json_response(500, error_json("the app sent no response"), False))
+                self.write(json_response(500, error_json(500, "the app sent no response"),
+                                         False))
             return False
         return True
 

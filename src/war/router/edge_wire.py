@@ -18,6 +18,8 @@ from typing import Any
 import httptools
 import orjson
 
+from war.api import APIError, error_body
+
 _REASONS = {s.value: s.phrase for s in HTTPStatus} | {499: "Client Closed Request"}
 _date_cache: tuple[int, bytes] = (0, b"")
 
@@ -52,11 +54,10 @@ def json_response(status: int, body: bytes, keep_alive: bool,
     return head(status, headers, keep_alive) + body
 
 
-def error_json(message: str) -> bytes:
-    """The OpenAI-style error body the server answers on its own (malformed requests,
-    bodies over the limit, an app that failed)."""
-    return orjson.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                   "param": None, "code": None}})
+def error_json(status: int, message: str) -> bytes:
+    """The API's error body (``war.api.error_body``) for what the server answers on its
+    own: malformed requests, bodies over the limit, an app that failed."""
+    return orjson.dumps(error_body(APIError(status, message)))
 
 
 def chunk(data: bytes) -> bytes:

@@ -246,11 +246,7 @@ async def _generate_all(router: Router, requests: Sequence[GenRequest]
     if len(requests) == 1:  # the common case: no task of its own
         result, where = await router.route(requests[0])
         return [result], [where]
-
-    async def one(request: GenRequest) -> tuple[GenResult, str]:
-        return await router.route(request)
-
-    tasks = [asyncio.ensure_future(one(r)) for r in requests]
+    tasks = [asyncio.ensure_future(router.route(r)) for r in requests]
     try:
         done = await asyncio.gather(*tasks)
     except BaseException:

@@ -180,10 +180,9 @@ class _Samples:
     A sample's weight is ``2 ** ((end - ref) / half_life)`` for a reference time
     ``ref`` (the ratios of the estimate do not depend on it); ``ref`` moves to the
     newest sample, and every sum is recomputed, when a new sample would outweigh it by
-    more than 2**256, and the
-    sums are recomputed from the samples after as many changes as there are samples,
-    and whenever a removed sample weighs a large share of a sum, which bounds the
-    rounding that adding and removing leaves."""
+    more than 2**256; the sums are also recomputed after as many changes as there are
+    samples, and whenever a removed sample weighs a large share of a sum, which bounds
+    the rounding that adding and removing leaves."""
 
     __slots__ = ("_changes", "_ref", "by_turns", "half_life", "items", "sum_w", "sum_wk",
                  "sum_wt")
@@ -208,8 +207,7 @@ class _Samples:
             self._sub(old)
         self.items[key] = sample
         if self._ref is None or (sample.end - self._ref) / self.half_life > 256.0:
-            self._ref = sample.end
-            self._recompute()
+            self._recompute()  # (which moves ``ref`` to the newest sample)
         else:
             self._add(sample)
             self._changed()
@@ -259,9 +257,7 @@ class _Samples:
 
     def _sub(self, sample: Sample) -> None:
         if not self.items:  # the last one left: nothing to subtract from
-            self._ref = None
-            self.sum_w = self.sum_wt = self.sum_wk = 0.0
-            self.by_turns.clear()
+            self._recompute()
             return
         w = self._weight(sample)
         bucket = self.by_turns[sample.turns]
@@ -445,7 +441,7 @@ class ProgressEstimator:
 
     def _bound(self) -> None:
         cap = self.config.max_trajectories
-        if len(self._active) + len(self._idle) + len(self._done) <= cap:
+        if self.num_tracked() <= cap:
             return
         while self.num_tracked() > cap and self._done:
             self._done.popitem(last=False)
