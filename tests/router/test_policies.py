@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -686,9 +685,9 @@ def test_every_policy_returns_a_given_healthy_replica(steps: list[tuple]) -> Non
     policies: list[RoutingPolicy] = [RoundRobinPolicy(), LeastLoadPolicy(), CacheAwarePolicy(
         CacheAwareConfig(max_tree_tokens=64)), WarPolicy(WarPolicyConfig(max_tree_tokens=64))]
     for i, (views, prompt, traj, cont, max_tokens, outcome) in enumerate(steps):
-        views = [dataclasses.replace(v) for v in views]
+        views = list(views)
         if not any(v.healthy for v in views):
-            views[0] = dataclasses.replace(views[0], healthy=True)
+            views[0] = views[0]._replace(healthy=True)
         healthy = {v.name for v in views if v.healthy}
         request = req(str(i), prompt, tid=f"t{traj}", gid="g", continues=cont,
                       max_tokens=max_tokens)

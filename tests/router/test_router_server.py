@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from war.backends.base import ReplicaUnavailable
 from war.router.policies.base import Decision, ReplicaView
 from war.router.router import Router
-from war.router.server import create_router_app
+from war.router.server import _sampling, create_router_app
 from war.types import GenRequest, GenResult, ReplicaLoad, UnknownTrajectory
 
 KEY = "router-key"
@@ -141,6 +141,26 @@ def test_eos_is_added_unless_ignore_eos() -> None:
     assert a.seen[-1].sampling.stop_token_ids == (3, 7)
     assert post(client, {"prompt": [1], "max_tokens": 1, "ignore_eos": True}).status_code == 200
     assert a.seen[-1].sampling.stop_token_ids == ()
+
+
+def test_requests_asking_alike_share_their_sampling_params() -> None:
+    client, _, a, _ = make()
+    body = {"prompt": [1, 2], "max_tokens": 3, "temperature": 0.5, "stop_token_ids": [4]}
+    for _ in range(2):
+        assert post(client, body).status_code == 200
+    first, second = a.seen[-2].sampling, a.seen[-1].sampling
+    assert first == second and first.temperature == 0.5 and first.stop_token_ids[0] == 4
+    assert _sampling(0.5, 1.0, 0, 3, (4,), (), None, False) \
+        is _sampling(0.5, 1.0, 0, 3, (4,), (), None, False)
+    # equal but differently typed values are not conflated; different values differ
+    assert type(_sampling(0, 1.0, 0, 3, (), (), None, False).temperature) is int
+    assert type(_sampling(0.0, 1.0, 0, 3, (), (), None, False).temperature) is float
+    assert post(client, {**body, "max_tokens": 4}).status_code == 200
+    assert a.seen[-1].sampling.max_tokens == 4 and a.seen[-2].sampling.max_tokens == 3
+    # a refused value is refused every time, not remembered
+    for _ in range(2):
+        r = post(client, {**body, "top_p": 0.0})
+        assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]
 
 
 def test_several_prompts_are_several_choices() -> None:

@@ -157,13 +157,11 @@ class Router:
         for name, r in self.replicas.items():
             load = r.load
             known = load is not None and load.kv_blocks_total > 0  # 0: capacity not reported
-            out.append(ReplicaView(
-                name=name, healthy=r.healthy, num_requests=r.num_requests,
-                tokens_in_flight=r.tokens_in_flight,
-                kv_free_tokens=load.kv_free_tokens if load and known else None,
-                kv_total_tokens=load.kv_blocks_total * load.block_size if load and known
-                else None,
-                num_waiting=load.num_waiting if load else 0))
+            out.append(ReplicaView(  # positional: name, healthy, requests, tokens, KV, queue
+                name, r.healthy, r.num_requests, r.tokens_in_flight,
+                load.kv_free_tokens if load and known else None,
+                load.kv_blocks_total * load.block_size if load and known else None,
+                load.num_waiting if load else 0))
         return out
 
     async def generate(self, request: GenRequest) -> GenResult:

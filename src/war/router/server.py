@@ -128,6 +128,29 @@ def _new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_id_counter):x}"
 
 
+_SAMPLING_CACHE: dict[tuple[Any, ...], SamplingParams] = {}
+_SAMPLING_CACHE_SIZE = 256
+
+
+def _sampling(temperature: float, top_p: float, top_k: int, max_tokens: int,
+              stop_token_ids: tuple[int, ...], stop: tuple[str, ...], seed: int | None,
+              logprobs: bool) -> SamplingParams:
+    """``SamplingParams`` of these values (validated by its constructor), shared between
+    requests that ask for the same: most of a run's requests do. The key has each
+    value's type, so ``0`` and ``0.0`` (equal, and hashing alike) stay apart."""
+    key = (temperature, type(temperature), top_p, type(top_p), top_k, max_tokens,
+           stop_token_ids, stop, seed, logprobs)
+    sampling = _SAMPLING_CACHE.get(key)
+    if sampling is None:
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                  max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+                                  stop=stop, seed=seed, logprobs=logprobs)
+        if len(_SAMPLING_CACHE) >= _SAMPLING_CACHE_SIZE:
+            _SAMPLING_CACHE.clear()
+        _SAMPLING_CACHE[key] = sampling
+    return sampling
+
+
 def build_requests(body: CompletionRequest, headers: Mapping[str, str],
                    eos_token_ids: Sequence[int] = ()) -> tuple[str, list[GenRequest]]:
     """The response id and one ``GenRequest`` per prompt (``<id>-<i>`` when several).
@@ -176,19 +199,16 @@ def build_requests(body: CompletionRequest, headers: Mapping[str, str],
         raise APIError(400, f"priority must be finite, got {priority}", param="priority")
 
     prompts = _prompts(body.prompt)
+    try:
+        sampling = _sampling(1.0 if body.temperature is None else body.temperature,
+                             1.0 if body.top_p is None else body.top_p, max(top_k, 0),
+                             body.max_tokens, tuple(stop_ids), tuple(stop), body.seed,
+                             want_logprobs)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
     requests = []
     for i, ids in enumerate(prompts):
         try:
-            sampling = SamplingParams(
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=max(top_k, 0),
-                max_tokens=body.max_tokens,
-                stop_token_ids=tuple(stop_ids),
-                stop=tuple(stop),
-                seed=body.seed,
-                logprobs=want_logprobs,
-            )
             requests.append(GenRequest(
                 request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
                 prompt_ids=tuple(ids), sampling=sampling, trajectory_id=trajectory_id,

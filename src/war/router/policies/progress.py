@@ -184,8 +184,8 @@ class _Samples:
     samples, and whenever a removed sample weighs a large share of a sum, which bounds
     the rounding that adding and removing leaves."""
 
-    __slots__ = ("_changes", "_ref", "by_turns", "half_life", "items", "sum_w", "sum_wk",
-                 "sum_wt")
+    __slots__ = ("_changes", "_ref", "_turns_left", "by_turns", "half_life", "items", "sum_w",
+                 "sum_wk", "sum_wt")
 
     def __init__(self, half_life: float) -> None:
         self.items: OrderedDict[str, Sample] = OrderedDict()
@@ -196,6 +196,7 @@ class _Samples:
         self.sum_wt = 0.0  # sum of w * tokens
         self.sum_wk = 0.0  # sum of w * turns
         self.by_turns: dict[int, list[float]] = {}  # turns -> [count, sum w, sum w * turns]
+        self._turns_left: dict[int, float] = {}  # turns done -> remaining turns, until a change
 
     def __len__(self) -> int:
         return len(self.items)
@@ -227,12 +228,15 @@ class _Samples:
     def remaining(self, turns_done: int, tokens_done: int, rate_prior_turns: float) -> float:
         """The module docstring's estimate (at least one sample is held)."""
         sample_rate = self.sum_wt / self.sum_wk if self.sum_wk > 0.0 else 0.0
-        ahead_w = ahead_wk = 0.0
-        for turns, (_, w, wk) in self.by_turns.items():
-            if turns > turns_done:
-                ahead_w += w
-                ahead_wk += wk - turns_done * w
-        remaining_turns = ahead_wk / ahead_w if ahead_w > 0.0 else 1.0
+        remaining_turns = self._turns_left.get(turns_done)
+        if remaining_turns is None:  # (a pass over the turn counts; kept until a change)
+            ahead_w = ahead_wk = 0.0
+            for turns, (_, w, wk) in self.by_turns.items():
+                if turns > turns_done:
+                    ahead_w += w
+                    ahead_wk += wk - turns_done * w
+            remaining_turns = ahead_wk / ahead_w if ahead_w > 0.0 else 1.0
+            self._turns_left[turns_done] = remaining_turns
         c = rate_prior_turns
         rate = ((tokens_done + c * sample_rate) / (turns_done + c) if turns_done + c > 0
                 else sample_rate)
@@ -243,6 +247,7 @@ class _Samples:
         return float(2.0 ** ((sample.end - self._ref) / self.half_life))
 
     def _add(self, sample: Sample) -> None:
+        self._turns_left.clear()
         w = self._weight(sample)
         self.sum_w += w
         self.sum_wt += w * sample.tokens
@@ -256,6 +261,7 @@ class _Samples:
             bucket[2] += w * sample.turns
 
     def _sub(self, sample: Sample) -> None:
+        self._turns_left.clear()
         if not self.items:  # the last one left: nothing to subtract from
             self._recompute()
             return
@@ -287,6 +293,7 @@ class _Samples:
         self._changes = 0
         self.sum_w = self.sum_wt = self.sum_wk = 0.0
         self.by_turns = {}
+        self._turns_left.clear()
         if not self.items:
             self._ref = None
             return
