@@ -25,6 +25,7 @@ from war.router.policies import (
     make_policy,
 )
 from war.router.policies.base import ReplicaView
+from war.router.policies.prefix_tree_reference import ReferencePrefixTree
 from war.router.policies.progress import RecentMap, Sample
 from war.types import GenRequest, GenResult, SamplingParams
 
@@ -112,10 +113,15 @@ def test_least_load_memory_is_bounded() -> None:
 
 
 # ------------------------------------------------------------------ prefix tree
+# The native tree and its specification, the reference (test_prefix_tree_native.py
+# compares the two operation by operation).
+
+TREES = pytest.mark.parametrize("tree", [PrefixTree, ReferencePrefixTree])
 
 
-def test_prefix_tree_matches_longest_prefix_per_replica() -> None:
-    t = PrefixTree(1000)
+@TREES
+def test_prefix_tree_matches_longest_prefix_per_replica(tree: type[PrefixTree]) -> None:
+    t = tree(1000)
     t.insert([1, 2, 3, 4], "a", 0.0)
     t.insert([1, 2, 5], "b", 1.0)
     t.insert([1, 2, 3, 4, 6, 7], "b", 2.0)
@@ -128,10 +134,11 @@ def test_prefix_tree_matches_longest_prefix_per_replica() -> None:
     assert t.replicas() == ["a", "b"]
 
 
-def test_prefix_tree_long_prompts() -> None:
+@TREES
+def test_prefix_tree_long_prompts(tree: type[PrefixTree]) -> None:
     rng = random.Random(0)
     base = [rng.randrange(50_000) for _ in range(5000)]
-    t = PrefixTree(1 << 20)
+    t = tree(1 << 20)
     t.insert(base, "a", 0.0)
     other = list(base)
     other[4321] = -1
@@ -142,8 +149,9 @@ def test_prefix_tree_long_prompts() -> None:
     assert t.num_tokens("b") == 5000
 
 
-def test_prefix_tree_evicts_least_recently_used_leaves_by_now() -> None:
-    t = PrefixTree(10)
+@TREES
+def test_prefix_tree_evicts_least_recently_used_leaves_by_now(tree: type[PrefixTree]) -> None:
+    t = tree(10)
     t.insert([1, 2, 3, 4, 5], "a", 0.0)
     t.insert([6, 7, 8, 9, 10], "a", 1.0)
     t.insert([1, 2, 3, 4, 5], "a", 2.0)  # touched again: now [6..10] is the oldest
@@ -155,8 +163,9 @@ def test_prefix_tree_evicts_least_recently_used_leaves_by_now() -> None:
     assert t.num_tokens("a") == 8
 
 
-def test_prefix_tree_evicts_leaves_before_shared_prefixes() -> None:
-    t = PrefixTree(9)
+@TREES
+def test_prefix_tree_evicts_leaves_before_shared_prefixes(tree: type[PrefixTree]) -> None:
+    t = tree(9)
     t.insert([1, 2, 3, 4, 5, 6], "a", 0.0)  # node [1,2,3,4,5,6]
     t.insert([1, 2, 3, 7, 8], "a", 1.0)  # splits: [1,2,3] -> [4,5,6], [7,8]
     t.check_integrity()
@@ -171,8 +180,9 @@ def test_prefix_tree_evicts_leaves_before_shared_prefixes() -> None:
     assert t.num_tokens("a") == 7 and t.num_tokens("b") == 9
 
 
-def test_prefix_tree_remove_replica() -> None:
-    t = PrefixTree(100)
+@TREES
+def test_prefix_tree_remove_replica(tree: type[PrefixTree]) -> None:
+    t = tree(100)
     t.insert([1, 2, 3], "a", 0.0)
     t.insert([1, 2, 3, 4], "b", 1.0)
     t.insert([5, 6], "a", 2.0)
@@ -185,25 +195,13 @@ def test_prefix_tree_remove_replica() -> None:
     assert t.match([5, 6]) == {"a": 2}
 
 
-def test_prefix_tree_heap_stays_bounded_under_repeated_touches() -> None:
-    t = PrefixTree(100)
+@TREES
+def test_prefix_tree_heap_stays_bounded_under_repeated_touches(tree: type[PrefixTree]) -> None:
+    t = tree(100)
     for i in range(1000):
         t.insert([1, 2, 3], "a", float(i))
-    assert len(t._heaps["a"]) <= 2 * 1 + 64 + 1
+    assert t.heap_size("a") <= 2 * 1 + 64 + 1
     t.check_integrity()
-
-
-def _tree_state(t: PrefixTree) -> tuple[object, ...]:
-    """Every path with its holders, the per-replica totals and the eviction order."""
-    paths = []
-    stack = [((), t._root)]
-    while stack:
-        prefix, node = stack.pop()
-        for child in node.children.values():
-            path = prefix + child.key
-            paths.append((path, tuple(sorted(child.holders.items()))))
-            stack.append((path, child))
-    return (sorted(paths), dict(t._num_tokens), dict(t._num_nodes))
 
 
 @settings(max_examples=200, deadline=None)
@@ -235,13 +233,14 @@ def test_prefix_tree_extend_equals_inserting_the_whole_path(data: st.DataObject)
             fast.remove_replica(replica)
             slow.remove_replica(replica)
         fast.check_integrity()
-        assert _tree_state(fast) == _tree_state(slow)
+        assert fast.dump() == slow.dump()
         for probe in ([0, 1, 2, 3], [1, 1, 1], [3, 2]):
             assert fast.match(probe) == slow.match(probe)
 
 
-def test_prefix_tree_extend_without_a_handle_inserts_from_the_root() -> None:
-    t = PrefixTree(100)
+@TREES
+def test_prefix_tree_extend_without_a_handle_inserts_from_the_root(tree: type[PrefixTree]) -> None:
+    t = tree(100)
     assert t.extend(None, [1, 2], [3], "a", 0.0) is not None
     assert t.match([1, 2, 3, 4]) == {"a": 3}
     assert t.insert([], "a", 1.0) is None
