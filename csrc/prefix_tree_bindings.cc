@@ -154,6 +154,20 @@ void append_tokens(PyObject* seq, std::vector<wp::Token>* out) {
   Py_DECREF(fast);
 }
 
+// The router's fast check of a prompt (see its docstring in the module below). Reads
+// the items without running Python code, so the sequence cannot change meanwhile.
+bool plain_token_ids(nb::handle tokens) {
+  PyObject* seq = tokens.ptr();
+  if (!PyTuple_CheckExact(seq) && !PyList_CheckExact(seq)) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    long v;
+    if (!PyLong_CheckExact(items[i]) || !compact_value(items[i], &v) || v < 0) return false;
+  }
+  return true;
+}
+
 double number_of(PyObject* o, const char* what) {
   const double v = PyFloat_CheckExact(o) ? PyFloat_AS_DOUBLE(o) : PyFloat_AsDouble(o);
   if (v == -1.0 && PyErr_Occurred()) {
@@ -399,6 +413,11 @@ NB_MODULE(_prefix_tree, m) {
       PyErr_SetString(PyExc_AssertionError, e.what());
     }
   });
+
+  m.def("plain_token_ids", &plain_token_ids, "tokens"_a.none(),
+        "Whether tokens is a list or tuple of plain ints (not bools) in [0, 2**30): the\n"
+        "common shape of a prompt, checked without a Python step per token. False says\n"
+        "nothing about the tokens; check them another way then.");
 
   nb::class_<PathEnd>(m, "PathEnd",
                       "Where an inserted path ends (opaque; for PrefixTree.extend).");

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from war.router.policies.prefix_tree import PathEnd, PrefixTree
+from war.router.policies.prefix_tree import PathEnd, PrefixTree, plain_token_ids
 from war.router.policies.prefix_tree_reference import ReferencePrefixTree
 
 REPLICAS = ("a", "b", "c")
@@ -344,3 +344,23 @@ def test_lookups_of_unknown_replicas() -> None:
     t.remove_replica("x")
     assert t.replicas() == [] and t.match([1]) == {}
     t.check_integrity()
+
+
+_token_like = st.one_of(
+    st.integers(-3, 3), st.integers(2**30 - 2, 2**30 + 2), st.integers(-2**40, 2**40),
+    st.booleans(), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=2),
+    st.none())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_token_like, max_size=12), st.booleans())
+def test_plain_token_ids_is_exactly_its_specification(items: list[Any], as_tuple: bool) -> None:
+    seq: list[Any] | tuple[Any, ...] = tuple(items) if as_tuple else items
+    expected = all(type(x) is int and 0 <= x < 2**30 for x in items)
+    assert plain_token_ids(seq) is expected
+
+
+def test_plain_token_ids_takes_only_lists_and_tuples() -> None:
+    assert plain_token_ids([0, 1, 2**30 - 1]) and plain_token_ids(()) and plain_token_ids([])
+    for other in (None, "abc", b"ab", range(3), iter([1]), {1: 2}, {1}, 7):
+        assert plain_token_ids(other) is False

@@ -163,6 +163,17 @@ def test_requests_asking_alike_share_their_sampling_params() -> None:
         assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]
 
 
+def test_token_ids_past_the_fast_check_are_still_checked_alike() -> None:
+    client, _, a, _ = make()
+    big = [2**30, 2**40, 5]  # beyond the native fast check: the Python checks take them
+    assert post(client, {"prompt": big, "max_tokens": 1}).status_code == 200
+    assert a.seen[-1].prompt_ids == tuple(big)
+    for prompt, message in (([1, True], "got the element True"), ([1, 2.0], "got the element 2.0"),
+                            ([2**31, -1], "negative")):
+        r = post(client, {"prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.json()
+
+
 def test_several_prompts_are_several_choices() -> None:
     client, _, a, _ = make()
     r = post(client, {"prompt": [[1, 2], [3, 4, 5]], "max_tokens": 2, "request_id": "m"})

@@ -59,6 +59,7 @@ from war.api import (
 )
 from war.router.edge import FastRoute
 from war.router.metrics import CONTENT_TYPE, RouterMetrics
+from war.router.policies.prefix_tree import plain_token_ids
 from war.router.router import NoReplicaAvailable, Router
 from war.types import GenRequest, GenResult, SamplingParams, UnknownTrajectory
 
@@ -73,7 +74,9 @@ def _all_ints(values: list[Any]) -> bool:
 
 def _prompts(prompt: Any) -> list[list[int]]:
     """Token-id prompts: a list of ints, or a list of such lists."""
-    if type(prompt) is list and prompt and _all_ints(prompt):  # the common case, fast
+    if type(prompt) is list and prompt and plain_token_ids(prompt):  # the common case
+        return [prompt]
+    if type(prompt) is list and prompt and _all_ints(prompt):
         if min(prompt) < 0:
             raise APIError(400, f"prompt: token id {min(prompt)} is negative", param="prompt")
         return [prompt]

@@ -5,6 +5,8 @@ from collections.abc import Iterable
 _Path = tuple[int, ...]
 _Holders = tuple[tuple[str, float], ...]
 
+def plain_token_ids(tokens: object) -> bool: ...
+
 class PathEnd:
     """Where an inserted path ends (opaque; for PrefixTree.extend)."""
 

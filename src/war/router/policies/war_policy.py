@@ -199,12 +199,19 @@ class WarPolicy:
         if request.continues and state is not None:
             context_len += state.context_len
         loads = {r.name: load_score(r) for r in healthy}
-        self._expire_committed(now)
+        if self._seen and self._seen[0][0] < now - cfg.progress.finish_idle_s:
+            self._expire_committed(now)
         candidates = _fitting(healthy, context_len + request.sampling.max_tokens)
-        min_load = min(loads[r.name] for r in candidates)
+        if candidates is healthy:  # (the common case: every replica fits)
+            min_load = min(loads.values())
+            holder_fits = state is not None and state.replica in loads
+        else:
+            min_load = min(loads[r.name] for r in candidates)
+            holder_fits = state is not None and any(r.name == state.replica
+                                                    for r in candidates)
         holder = state.replica if state is not None else None
         migrated = False
-        if holder is not None and any(r.name == holder for r in candidates) and (
+        if holder is not None and holder_fits and (
                 request.continues or not is_imbalanced(
                     loads[holder], min_load, cfg.migrate_abs_tokens, cfg.migrate_rel)):
             choice = holder
@@ -233,7 +240,7 @@ class WarPolicy:
                          request.group_id)
         elif cfg.progress_priority and request.group_id is not None:
             priority = self.progress.expected_remaining(request.group_id, 0, 0)
-        return Decision(choice, priority=priority, migrated=migrated)
+        return Decision(choice, priority, migrated)
 
     def _place(self, request: GenRequest, candidates: list[ReplicaView],
                loads: dict[str, float], tid: str | None) -> str:
@@ -377,6 +384,8 @@ class WarPolicy:
 def _fitting(healthy: list[ReplicaView], need: int) -> list[ReplicaView]:
     """Rule 1: replicas whose KV can hold ``need`` tokens, else the largest ones."""
     fit = [r for r in healthy if r.kv_total_tokens is None or r.kv_total_tokens >= need]
+    if len(fit) == len(healthy):
+        return healthy
     if fit:
         return fit
     largest = max(r.kv_total_tokens or 0 for r in healthy)
