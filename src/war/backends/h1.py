@@ -163,6 +163,11 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
 
+def _time_out(waiter: asyncio.Future[Response]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError("no answer in time"))
+
+
 class Pool:
     """Keep-alive connections to one origin; ``request`` sends one call.
 
@@ -184,6 +189,7 @@ class Pool:
         self._idle: deque[_Connection] = deque()
         self._slots = asyncio.Semaphore(max_connections)
         self._closed = False
+        self._heads: dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes] = {}
 
     async def request(self, method: str, target: str, *, body: bytes | None = None,
                       headers: tuple[tuple[str, str], ...] = (), timeout_s: float,
@@ -192,26 +198,41 @@ class Pool:
         is dropped), ``TransportError`` or ``OSError`` when the call fails below HTTP."""
         if self._closed:
             raise TransportError("the pool is closed")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         data = self._encode(method, target, body, headers)
-        async with asyncio.timeout(timeout_s), self._slots:
+        if self._slots.locked():  # every connection is busy: wait for one, within the time
+            async with asyncio.timeout_at(deadline):
+                await self._slots.acquire()
+        else:
+            await self._slots.acquire()
+        try:
             conn = self._take_idle()
             if conn is None:
-                conn = await self._connect(connect_timeout_s)
+                conn = await self._connect(connect_timeout_s, deadline)
             try:
-                return await self._exchange(conn, data)
+                return await self._exchange(conn, data, deadline)
             except ConnectionClosed as e:
                 # A connection the server closed while idle: nothing was processed.
                 if not (conn.reused and getattr(e, "before_answer", False)):
                     raise
-            conn = await self._connect(connect_timeout_s)
-            return await self._exchange(conn, data)
+            conn = await self._connect(connect_timeout_s, deadline)
+            return await self._exchange(conn, data, deadline)
+        finally:
+            self._slots.release()
 
-    async def _exchange(self, conn: _Connection, data: bytes) -> Response:
+    async def _exchange(self, conn: _Connection, data: bytes, deadline: float) -> Response:
+        # One timer per call that fails the answer's future at the deadline: cheaper than
+        # an ``asyncio.timeout`` scope (which cancels the task and uncancels it after).
+        waiter = conn.send(data)
+        timer = asyncio.get_running_loop().call_at(deadline, _time_out, waiter)
         try:
-            response = await conn.send(data)
+            response = await waiter
         except BaseException:
             conn.abort()  # cancelled, timed out or failed mid-call: its state is unknown
             raise
+        finally:
+            timer.cancel()
         if self._closed:
             conn.close()  # the pool was closed during the call
         elif not conn.closed:
@@ -232,8 +253,12 @@ class Pool:
             return conn
         return None
 
-    async def _connect(self, timeout_s: float) -> _Connection:
+    async def _connect(self, timeout_s: float, deadline: float) -> _Connection:
+        """A new connection, within ``timeout_s`` and before the call's ``deadline``."""
         loop = asyncio.get_running_loop()
+        timeout_s = min(timeout_s, deadline - loop.time())
+        if timeout_s <= 0:
+            raise TimeoutError("the call ran out of time before connecting")
         _, conn = await asyncio.wait_for(loop.create_connection(
             _Connection, self.host, self.port, ssl=self.tls,
             server_hostname=self.host if self.tls is not None else None), timeout_s)
@@ -241,13 +266,19 @@ class Pool:
 
     def _encode(self, method: str, target: str, body: bytes | None,
                 headers: tuple[tuple[str, str], ...]) -> bytes:
-        lines = [f"{method} {target} HTTP/1.1", f"Host: {self.authority}",
-                 "Accept: application/json"]
-        lines += [f"{k}: {v}" for k, v in headers]
-        if body is not None:
-            lines.append(f"Content-Length: {len(body)}")
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        return head + body if body else head
+        key = (method, target, headers)
+        head = self._heads.get(key)
+        if head is None:  # the head up to the body's length, the same for every call
+            lines = [f"{method} {target} HTTP/1.1", f"Host: {self.authority}",
+                     "Accept: application/json"]
+            lines += [f"{k}: {v}" for k, v in headers]
+            head = ("\r\n".join(lines) + "\r\n").encode("latin-1")
+            if len(self._heads) >= 64:
+                self._heads.clear()
+            self._heads[key] = head
+        if body is None:
+            return head + b"\r\n"
+        return b"%bContent-Length: %d\r\n\r\n%b" % (head, len(body), body)
 
     def close(self) -> None:
         """Closes the idle connections; busy ones close when their call ends."""

@@ -188,8 +188,10 @@ class Router:
             if decision.migrated:
                 self.stats.migrations += 1
             send = request
-            if decision.priority is not None:
-                send = dataclasses.replace(send, priority=decision.priority)
+            if decision.priority is not None:  # (positional: a third of replace()'s cost)
+                send = GenRequest(send.request_id, send.prompt_ids, send.sampling,
+                                  send.trajectory_id, send.group_id, decision.priority,
+                                  send.continues)
             if (send.continues and (name in tried or decision.migrated)) and full is not None:
                 send = dataclasses.replace(send, prompt_ids=tuple(full), continues=False)
             rep = self.replicas[name]

@@ -432,23 +432,25 @@ class ProgressEstimator:
         """Counts idle trajectories as finished after ``finish_idle_s`` and forgets
         trajectories not seen for ``trajectory_ttl_s``."""
         cfg = self.config
-        while self._idle:
-            tid, t = next(iter(self._idle.items()))
+        idle = self._idle
+        while idle:  # (the oldest first; peeking at a value alone is the cheap case)
+            t = next(iter(idle.values()))
             if t.since + cfg.finish_idle_s > now:
                 break
-            del self._idle[tid]
+            tid = next(iter(idle))
+            del idle[tid]
             self._count(tid, t)
             self._done[tid] = t
+        ttl = cfg.trajectory_ttl_s
         for table in (self._done, self._active):
             while table:
-                tid, t = next(iter(table.items()))
-                if t.since + cfg.trajectory_ttl_s >= now:
+                if next(iter(table.values())).since + ttl >= now:
                     break
-                del table[tid]
+                del table[next(iter(table))]
 
     def _bound(self) -> None:
         cap = self.config.max_trajectories
-        if self.num_tracked() <= cap:
+        if len(self._active) + len(self._idle) + len(self._done) <= cap:
             return
         while self.num_tracked() > cap and self._done:
             self._done.popitem(last=False)

@@ -316,16 +316,33 @@ class WarPolicy:
 
     def _commit(self, tid: str, replica: str, work: float, now: float,
                 group: str | None = None) -> None:
-        old = self._committed.get(tid)
-        if group is None and old is not None:
-            group = old[3]
-        self._uncommit(tid)
-        self._committed[tid] = (replica, work, now, group)
+        committed, totals, counts = self._committed, self._work, self._group_counts
+        old = committed.pop(tid, None)
+        same_group = False
+        if old is not None:  # ``_uncommit``, inlined (twice per request)
+            old_replica, old_work, _, old_group = old
+            if group is None:
+                group = old_group
+            left = totals.get(old_replica, 0.0) - old_work
+            if left <= 1e-9:
+                totals.pop(old_replica, None)
+            else:
+                totals[old_replica] = left
+            if old_group is not None:
+                same_group = old_group == group and old_replica == replica
+                if not same_group:  # (-1 then +1 would leave the count as it is)
+                    key = (old_group, old_replica)
+                    n = counts.get(key, 0) - 1
+                    if n > 0:
+                        counts[key] = n
+                    else:
+                        counts.pop(key, None)
+        committed[tid] = (replica, work, now, group)
         if work > 0:
-            self._work[replica] = self._work.get(replica, 0.0) + work
-        if group is not None:
+            totals[replica] = totals.get(replica, 0.0) + work
+        if group is not None and not same_group:
             key = (group, replica)
-            self._group_counts[key] = self._group_counts.get(key, 0) + 1
+            counts[key] = counts.get(key, 0) + 1
         heapq.heappush(self._seen, (now, tid))
         if len(self._seen) > 4 * len(self._committed) + 64:  # drop stale heap entries
             self._seen = [(t, k) for k, (_, _, t, _) in self._committed.items()]
