@@ -78,11 +78,11 @@ class RecentMap(Generic[K, V]):
     def expire(self, now: float) -> int:
         """Forgets entries older than ``ttl_s``; returns how many."""
         n = 0
-        while self._items:
-            key, (_, seen) = next(iter(self._items.items()))
-            if seen + self.ttl_s >= now:
+        items, ttl = self._items, self.ttl_s
+        while items:
+            if next(iter(items.values()))[1] + ttl >= now:  # (the oldest: a value peek)
                 break
-            del self._items[key]
+            del items[next(iter(items))]
             n += 1
         return n
 

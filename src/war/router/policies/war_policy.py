@@ -248,8 +248,6 @@ class WarPolicy:
         with the least load plus committed work."""
         cfg = self.config
         gid = request.group_id
-        mine = self._expected_work(self.progress.remaining_for(tid, gid)
-                                   if tid is not None else None, request)
         work = {r.name: self._work.get(r.name, 0.0) for r in candidates}
         old = self._committed.get(tid) if tid is not None else None
         if old is not None and old[0] in work:  # a move: its work leaves its old replica
@@ -259,21 +257,27 @@ class WarPolicy:
         # are alike, so stacking them gambles the replica's share of the long tail.
         spread_group = (cfg.spread_unknown_groups and gid is not None
                         and not self.progress.has_samples(gid))
-        counts = {r.name: self._group_counts.get((gid, r.name), 0) if gid is not None else 0
-                  for r in candidates}
+        if gid is None:
+            counts = dict.fromkeys(work, 0)
+        else:
+            counts = {r.name: self._group_counts.get((gid, r.name), 0) for r in candidates}
         min_count = min(counts.values())
         min_load = min(loads[r.name] for r in candidates)
         matched = {} if request.continues else self.tree.match(request.prompt_ids)
-        need = max(1.0, cfg.group_match_threshold * len(request.prompt_ids))
-        min_requests = min(r.num_requests for r in candidates)
-        hits = [r for r in candidates if matched.get(r.name, 0) >= need
-                and not (spread_group and counts[r.name] > min_count)
-                and not is_imbalanced(work[r.name], min_work, cfg.group_work_slack * mine,
-                                      cfg.group_rel)
-                and not is_imbalanced(loads[r.name], min_load, cfg.group_abs_tokens,
-                                      cfg.group_rel)
-                and not is_imbalanced(r.num_requests, min_requests, cfg.group_abs_requests,
-                                      cfg.group_rel)]
+        hits = []
+        if matched:  # (nobody holding any of the prompt: no candidate can be a hit)
+            mine = self._expected_work(self.progress.remaining_for(tid, gid)
+                                       if tid is not None else None, request)
+            need = max(1.0, cfg.group_match_threshold * len(request.prompt_ids))
+            min_requests = min(r.num_requests for r in candidates)
+            hits = [r for r in candidates if matched.get(r.name, 0) >= need
+                    and not (spread_group and counts[r.name] > min_count)
+                    and not is_imbalanced(work[r.name], min_work,
+                                          cfg.group_work_slack * mine, cfg.group_rel)
+                    and not is_imbalanced(loads[r.name], min_load, cfg.group_abs_tokens,
+                                          cfg.group_rel)
+                    and not is_imbalanced(r.num_requests, min_requests,
+                                          cfg.group_abs_requests, cfg.group_rel)]
         if hits:
             self.stats.co_located += 1
             return min(hits, key=lambda r: (-matched[r.name], loads[r.name] + work[r.name],
