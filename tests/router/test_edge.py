@@ -87,6 +87,11 @@ def side_app(events: list[str]) -> FastAPI:
                 yield f"part{i};".encode()
         return StreamingResponse(parts(), media_type="text/plain")
 
+    @app.get("/slow")
+    async def slow() -> dict[str, Any]:
+        await asyncio.sleep(0.3)
+        return {"slow": True}
+
     @app.get("/boom")
     async def boom() -> dict[str, Any]:
         raise RuntimeError("boom")
@@ -306,18 +311,24 @@ def test_idle_connections_close_after_the_keepalive_timeout() -> None:
 def test_stop_waits_for_requests_in_flight() -> None:
     echo = Echo()
     echo.delays = {b"slow": 0.3}
-    results: list[int] = []
-    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}) as (h, p, _):
+    results: list[tuple[int, str | None]] = []
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}) as (h, p, edge):
         def call() -> None:
-            results.append(httpx.post(f"http://{h}:{p}/v1/completions", content=b"slow",
-                                      timeout=10).status_code)
-        t = threading.Thread(target=call)
-        t.start()
-        deadline = time.monotonic() + 5
-        while not echo.calls and time.monotonic() < deadline:
-            time.sleep(0.01)
-    t.join(10)
-    assert results == [200]
+            r = httpx.post(f"http://{h}:{p}/v1/completions", content=b"slow", timeout=10)
+            results.append((r.status_code, r.headers.get("connection")))
+
+        def call_asgi() -> None:
+            r = httpx.get(f"http://{h}:{p}/slow", timeout=10)
+            results.append((r.status_code, r.headers.get("connection")))
+        threads = [threading.Thread(target=call), threading.Thread(target=call_asgi)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: bool(echo.calls) and sum(
+            c.task is not None for c in list(edge.connections)) == 2)
+    for t in threads:
+        t.join(10)
+    # both finished, and both said they were the last answer on their connection
+    assert results == [(200, "close"), (200, "close")]
 
 
 def test_a_failing_lifespan_fails_the_start() -> None:

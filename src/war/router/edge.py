@@ -105,6 +105,7 @@ class _Connection(asyncio.Protocol):
         self.closing = False  # answer what is being answered, then close
         self.paused = False
         self.gone: asyncio.Future[None] | None = None  # set when the client hangs up
+        self.exchange: Exchange | None = None  # the ASGI answer under way
         self._idle: asyncio.TimerHandle | None = None
         self._idle_since: float | None = None  # None: busy
         self._reset()
@@ -256,7 +257,8 @@ class _Connection(asyncio.Protocol):
             self._write(json_response(status, body, keep_alive, extra))
             return
         status, body = await route.handle(request.body, headers)
-        self._write(json_response(status, body, keep_alive))
+        # a stop that came meanwhile makes this the last answer: it says so
+        self._write(json_response(status, body, keep_alive and not self.closing))
 
     async def _answer_asgi(self, request: _Request, keep_alive: bool) -> None:
         transport = self.transport
@@ -267,8 +269,12 @@ class _Connection(asyncio.Protocol):
                            address(transport.get_extra_info("peername")), edge.state)
         exchange = Exchange(edge.app, scope, request.body, keep_alive, self._write,
                             lambda: self.closed, self._gone)
-        if not await exchange.run():
-            self.closing = True
+        self.exchange = exchange
+        try:
+            if not await exchange.run():
+                self.closing = True
+        finally:
+            self.exchange = None
 
     async def _gone(self) -> None:
         """Returns when the client hangs up."""
@@ -344,6 +350,8 @@ class _Connection(asyncio.Protocol):
         """Stops after the request being answered (closes now when idle)."""
         self.closing = True
         self.queue.clear()
+        if self.exchange is not None:  # an answer not yet started says it is the last
+            self.exchange.keep_alive = False
         if self.task is None:
             self._close()
 
