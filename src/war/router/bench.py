@@ -58,9 +58,10 @@ from typing import IO, Any
 
 import aiohttp
 import httpx
+import orjson
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from war import aio
 from war.backends.inprocess import InProcessBackend
@@ -109,6 +110,10 @@ def _median(values: Sequence[float]) -> float:
 # --------------------------------------------------------------------------- instant replicas
 
 
+def _json(payload: Any) -> Response:
+    return Response(orjson.dumps(payload), media_type="application/json")
+
+
 def instant_replica_app(name: str, max_output_tokens: int = 8) -> FastAPI:
     """A replica that answers at once (``InstantBackend``: the prompt echoed) over HTTP:
     WAR's ``/v1/completions``, ``/v1/load``, ``/v1/history`` and ``/health``, and the
@@ -125,23 +130,25 @@ def instant_replica_app(name: str, max_output_tokens: int = 8) -> FastAPI:
                                          stop_token_ids=tuple(int(t) for t in stop),
                                          logprobs=logprobs))
 
+    # Both APIs read and write JSON with orjson, so that neither pays more than its
+    # format's own size: the load target should cost either router's calls alike.
     @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
-        body = await request.json()
+    async def completions(request: Request) -> Response:
+        body = orjson.loads(await request.body())
         req = request_of(body["prompt"], body.get("max_tokens") or 16,
                          body.get("stop_token_ids") or (), bool(body.get("logprobs")))
         result = await backend.generate(req)
         rid = str(body.get("request_id") or req.request_id)
-        return JSONResponse(build_response(rid, str(body.get("model") or "war"), [result],
-                                           [name], bool(body.get("logprobs"))))
+        return _json(build_response(rid, str(body.get("model") or "war"), [result], [name],
+                                    bool(body.get("logprobs"))))
 
     @app.post("/generate")
-    async def generate(request: Request) -> JSONResponse:
-        body = await request.json()
+    async def generate(request: Request) -> Response:
+        body = orjson.loads(await request.body())
         params = body.get("sampling_params") or {}
         req = request_of(body["input_ids"], params.get("max_new_tokens") or 16, (), False)
         result = await backend.generate(req)
-        return JSONResponse({"text": "", "output_ids": list(result.output_ids), "meta_info": {
+        return _json({"text": "", "output_ids": list(result.output_ids), "meta_info": {
             "id": req.request_id, "prompt_tokens": result.num_prompt_tokens,
             "completion_tokens": len(result.output_ids), "cached_tokens": 0,
             "finish_reason": {"type": result.finish_reason}}})
