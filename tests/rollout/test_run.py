@@ -109,4 +109,27 @@ def test_war_rollout_command(tmp_path: Path, random_policy: Path,
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [s["rl_step"] for s in summary["steps"]] == [0, 1]
     assert (run_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
+    # run again: the trajectories written are reused, and the command says so
+    before = (run_dir / "trajectories.jsonl").read_bytes()
+    assert main(["rollout", "--config", str(config), "--quiet"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "resuming" in out and "12 trajectories already in trajectories.jsonl are reused" in out
+    assert (run_dir / "trajectories.jsonl").read_bytes() == before
     assert main(["rollout", "--config", str(tmp_path / "missing.yaml")]) == 1
+
+
+def test_war_demo_starts_afresh_and_keeps_the_earlier_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["demo", "--steps", "1", "--tasks", "1", "--group-size", "2",
+            "--output-dir", str(tmp_path), "--quiet"]
+    assert main(argv) == 0
+    run_dir = tmp_path / "demo"
+    first = (run_dir / "trajectories.jsonl").read_bytes()
+    assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 2
+    assert "starts afresh" not in " ".join(capsys.readouterr().out.split())
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "trajectories.previous.jsonl" in out and "this run starts afresh" in out
+    assert (run_dir / "trajectories.previous.jsonl").read_bytes() == first
+    again = read_jsonl(run_dir / "trajectories.jsonl")  # generated again, not reused
+    assert len(again) == 2 and all(t.rl_step == 0 for t in again)

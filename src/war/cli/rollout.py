@@ -1,8 +1,10 @@
 """`war demo` and `war rollout`: synchronous RL steps over local replicas.
 
 Knows: the commands' options, the live progress display (trajectories done,
-tokens generated, current speculation budget per replica), the summary table and
-where the run's files go. Does not know how a step runs (``war.rollout.run``).
+tokens generated, current speculation budget per replica), the summary table,
+where the run's files go, and what becomes of an earlier run's trajectories in the
+same folder (``war demo`` moves them aside and starts afresh; ``war rollout`` resumes,
+reusing them, and says so). Does not know how a step runs (``war.rollout.run``).
 """
 
 from __future__ import annotations
@@ -72,20 +74,41 @@ def run_demo(args: argparse.Namespace) -> int:
     from war.rollout.run import RunConfig
 
     cfg = _config(args, RunConfig(name="demo"))
-    return _run(cfg, quiet=args.quiet)
+    return _run(cfg, quiet=args.quiet, fresh=True)
 
 
 def run_rollout_command(args: argparse.Namespace) -> int:
     from war.rollout.run import load_run_config
 
-    return _run(_config(args, load_run_config(args.config)), quiet=args.quiet)
+    return _run(_config(args, load_run_config(args.config)), quiet=args.quiet, fresh=False)
 
 
-def _run(cfg: RunConfig, quiet: bool) -> int:
+def _earlier_run(cfg: RunConfig, console: Console, fresh: bool) -> None:
+    """Says what happens to the trajectories an earlier run left in the run's folder: a
+    demo moves them aside and starts afresh; a rollout reuses them (a restarted step
+    skips the trajectories it already wrote), and says so."""
+    from war.rollout.trajectory import completed_ids
+
+    path = Path(cfg.output_dir) / cfg.name / "trajectories.jsonl"
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    if fresh:
+        kept = path.with_name("trajectories.previous.jsonl")
+        path.replace(kept)
+        console.print(f"{path.parent}: the earlier run's trajectories are now in {kept.name}; "
+                      "this run starts afresh")
+        return
+    n = len(completed_ids(path))
+    console.print(f"[yellow]resuming[/] {path.parent}: {n} trajectories already in "
+                  f"{path.name} are reused, not generated again (delete it to start afresh)")
+
+
+def _run(cfg: RunConfig, quiet: bool, fresh: bool) -> int:
     from war.rollout.report import plot_timeline
     from war.rollout.run import builtin_policy
 
     console = Console()
+    _earlier_run(cfg, console, fresh)
     model = cfg.model or str(builtin_policy())
     console.print(f"[bold]WAR rollout[/] {cfg.name}: {cfg.steps} steps x {cfg.tasks_per_step} "
                   f"tasks x {cfg.group_size} samples, {cfg.replicas} replicas, "
