@@ -308,6 +308,39 @@ def test_idle_connections_close_after_the_keepalive_timeout() -> None:
         assert len(edge.connections) == 0
 
 
+def test_a_stalled_partial_request_closes_after_the_read_timeout() -> None:
+    echo = Echo()
+    config = EdgeConfig(keepalive_s=5.0, read_timeout_s=0.3)
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}, config) as (
+            _, p, edge):
+        with socket.create_connection(("127.0.0.1", p), timeout=5) as s:
+            s.sendall(post("/v1/completions", b"0123456789")[:-6])  # 6 bytes short
+            t0 = time.monotonic()
+            assert s.recv(65536) == b""  # closed: the rest never came
+            assert 0.2 < time.monotonic() - t0 < 3.0
+        assert not echo.calls and wait_for(lambda: len(edge.connections) == 0)
+
+
+def test_a_slow_upload_that_keeps_sending_is_answered() -> None:
+    echo = Echo()
+    config = EdgeConfig(keepalive_s=0.4, read_timeout_s=0.3)
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}, config) as (
+            _, p, _):
+        with socket.create_connection(("127.0.0.1", p), timeout=5) as s:
+            data = post("/v1/completions", b"0123456789")
+            head = len(data) - 10
+            s.sendall(data[:head])
+            for i in range(10):  # a byte every 0.1 s: 1 s in all, past the read timeout
+                time.sleep(0.1)
+                s.sendall(data[head + i:head + i + 1])
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            # and once answered the connection is idle: the keep-alive limit applies
+            t0 = time.monotonic()
+            assert s.recv(65536) == b""
+            assert 0.25 < time.monotonic() - t0 < 2.0
+        assert echo.calls[0][0] == b"0123456789"
+
+
 def test_stop_waits_for_requests_in_flight() -> None:
     echo = Echo()
     echo.delays = {b"slow": 0.3}
@@ -355,7 +388,8 @@ def test_a_taken_port_fails_the_start_before_the_lifespan() -> None:
 
 
 def test_config_validation() -> None:
-    for bad in ({"max_body_bytes": 0}, {"keepalive_s": 0}, {"shutdown_grace_s": -1},
+    for bad in ({"max_body_bytes": 0}, {"keepalive_s": 0}, {"read_timeout_s": 0},
+                {"shutdown_grace_s": -1},
                 {"max_queued": 0}):
         with pytest.raises(ValueError):
             EdgeConfig(**bad)

@@ -60,19 +60,22 @@ class FastRoute:
 class EdgeConfig:
     """``max_body_bytes``: larger request bodies get a 413 and the connection closes.
     ``keepalive_s``: an idle connection closes after this long (above a client pool's
-    usual 4 s, as uvicorn's 5 s). ``shutdown_grace_s``: how long a shutdown waits for
+    usual 4 s, as uvicorn's 5 s). ``read_timeout_s``: a connection whose request has
+    arrived only in part closes when no byte of it comes for this long (a slow upload
+    that keeps sending is not cut). ``shutdown_grace_s``: how long a shutdown waits for
     requests in flight before cancelling them. ``max_queued``: pipelined requests
     parsed ahead of the one being answered before the connection stops reading."""
 
     max_body_bytes: int = 64 << 20
     keepalive_s: float = 5.0
+    read_timeout_s: float = 30.0
     shutdown_grace_s: float = 10.0
     max_queued: int = 16
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
-        for name in ("keepalive_s", "shutdown_grace_s"):
+        for name in ("keepalive_s", "read_timeout_s", "shutdown_grace_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_queued < 1:
@@ -108,6 +111,8 @@ class _Connection(asyncio.Protocol):
         self.exchange: Exchange | None = None  # the ASGI answer under way
         self._idle: asyncio.TimerHandle | None = None
         self._idle_since: float | None = None  # None: busy
+        self._idle_limit = edge.config.keepalive_s  # how long it may stay as it is
+        self._in_message = False  # a request has begun arriving and is not complete
         self._reset()
 
     def _reset(self) -> None:
@@ -136,8 +141,14 @@ class _Connection(asyncio.Protocol):
             self.closing = True
             if not self.queue and self.task is None:
                 self._refuse(400, "protocol upgrades are not supported")
+            return
         except httptools.HttpParserError as e:
             self._refuse(400, f"malformed HTTP request: {e}")
+            return
+        if self.task is None and not self.queue and not self.closed:
+            # nothing to answer yet: the rest of a request must keep coming (or, with
+            # none begun, the connection is idle)
+            self._arm_idle(self.edge.config.read_timeout_s if self._in_message else None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -153,6 +164,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._reset()
+        self._in_message = True
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -184,6 +196,7 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._in_message = False
         if self._refused or self.closing:  # nothing after a refusal or a close is answered
             return
         path, query = split_target(self._url)
@@ -317,10 +330,17 @@ class _Connection(asyncio.Protocol):
     # The keep-alive timer is armed once per idle period, not once per request: it
     # checks, when it fires, whether the connection has been idle for long enough.
 
-    def _arm_idle(self) -> None:
-        self._idle_since = self.loop.time()
-        if self._idle is None and not self.closed:
-            self._idle = self.loop.call_later(self.edge.config.keepalive_s, self._idle_check)
+    def _arm_idle(self, limit: float | None = None) -> None:
+        now = self.loop.time()
+        self._idle_since = now
+        self._idle_limit = self.edge.config.keepalive_s if limit is None else limit
+        if self.closed:
+            return
+        if self._idle is not None and self._idle.when() > now + self._idle_limit:
+            self._idle.cancel()  # a shorter limit than the timer's: fire sooner
+            self._idle = None
+        if self._idle is None:
+            self._idle = self.loop.call_at(now + self._idle_limit, self._idle_check)
 
     def _disarm_idle(self) -> None:
         self._idle_since = None
@@ -329,7 +349,7 @@ class _Connection(asyncio.Protocol):
         self._idle = None
         if self.closed or self._idle_since is None:
             return  # busy: re-armed when it goes idle again
-        left = self._idle_since + self.edge.config.keepalive_s - self.loop.time()
+        left = self._idle_since + self._idle_limit - self.loop.time()
         if left <= 0 and self.task is None and not self.queue:
             self._close()
         else:
