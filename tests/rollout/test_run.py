@@ -90,6 +90,7 @@ def test_summary_of_a_step() -> None:
     assert s.mean_reward == pytest.approx(2 / 3)
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # (the report of a resumed run plots nothing)
 def test_war_rollout_command(tmp_path: Path, random_policy: Path,
                              capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "run.yaml"

@@ -57,7 +57,11 @@ def plot_timeline(
     bottom.set_ylabel("draft tokens / decoding seq")
     bottom.set_xlabel("seconds")
     top.set_title(title)
-    top.legend(loc="upper right", fontsize=8)
+    if top.get_legend_handles_labels()[0]:
+        top.legend(loc="upper right", fontsize=8)
+    else:  # (a resumed run whose trajectories were all written before: no engine steps)
+        top.text(0.5, 0.5, "no engine steps in this run", ha="center", va="center",
+                 transform=top.transAxes, color="0.4")
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)
