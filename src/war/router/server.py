@@ -74,12 +74,14 @@ def _all_ints(values: list[Any]) -> bool:
 
 def _prompts(prompt: Any) -> list[list[int]]:
     """Token-id prompts: a list of ints, or a list of such lists."""
-    if type(prompt) is list and prompt and plain_token_ids(prompt):  # the common case
-        return [prompt]
-    if type(prompt) is list and prompt and _all_ints(prompt):
-        if min(prompt) < 0:
-            raise APIError(400, f"prompt: token id {min(prompt)} is negative", param="prompt")
-        return [prompt]
+    if type(prompt) is list and prompt:
+        if plain_token_ids(prompt):  # the common case: one native pass
+            return [prompt]
+        if _all_ints(prompt):  # ids the native check does not take (negative, >= 2**30)
+            if min(prompt) < 0:
+                raise APIError(400, f"prompt: token id {min(prompt)} is negative",
+                               param="prompt")
+            return [prompt]
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                    and all(isinstance(p, str) for p in prompt)):
         raise APIError(400, TEXT_PROMPT, param="prompt")

@@ -199,8 +199,7 @@ class WarPolicy:
         if request.continues and state is not None:
             context_len += state.context_len
         loads = {r.name: load_score(r) for r in healthy}
-        if self._seen and self._seen[0][0] < now - cfg.progress.finish_idle_s:
-            self._expire_committed(now)
+        self._expire_committed(now)
         candidates = _fitting(healthy, context_len + request.sampling.max_tokens)
         if candidates is healthy:  # (the common case: every replica fits)
             min_load = min(loads.values())
@@ -320,33 +319,20 @@ class WarPolicy:
 
     def _commit(self, tid: str, replica: str, work: float, now: float,
                 group: str | None = None) -> None:
-        committed, totals, counts = self._committed, self._work, self._group_counts
-        old = committed.pop(tid, None)
+        old = self._committed.pop(tid, None)
         same_group = False
-        if old is not None:  # ``_uncommit``, inlined (twice per request)
-            old_replica, old_work, _, old_group = old
+        if old is not None:
             if group is None:
-                group = old_group
-            left = totals.get(old_replica, 0.0) - old_work
-            if left <= 1e-9:
-                totals.pop(old_replica, None)
-            else:
-                totals[old_replica] = left
-            if old_group is not None:
-                same_group = old_group == group and old_replica == replica
-                if not same_group:  # (-1 then +1 would leave the count as it is)
-                    key = (old_group, old_replica)
-                    n = counts.get(key, 0) - 1
-                    if n > 0:
-                        counts[key] = n
-                    else:
-                        counts.pop(key, None)
-        committed[tid] = (replica, work, now, group)
+                group = old[3]
+            # the same group on the same replica: -1 then +1 would leave its count as is
+            same_group = group is not None and old[3] == group and old[0] == replica
+            self._release(old, keep_count=same_group)
+        self._committed[tid] = (replica, work, now, group)
         if work > 0:
-            totals[replica] = totals.get(replica, 0.0) + work
+            self._work[replica] = self._work.get(replica, 0.0) + work
         if group is not None and not same_group:
             key = (group, replica)
-            counts[key] = counts.get(key, 0) + 1
+            self._group_counts[key] = self._group_counts.get(key, 0) + 1
         heapq.heappush(self._seen, (now, tid))
         if len(self._seen) > 4 * len(self._committed) + 64:  # drop stale heap entries
             self._seen = [(t, k) for k, (_, _, t, _) in self._committed.items()]
@@ -354,15 +340,20 @@ class WarPolicy:
 
     def _uncommit(self, tid: str) -> None:
         old = self._committed.pop(tid, None)
-        if old is None:
-            return
-        replica, work, _, group = old
+        if old is not None:
+            self._release(old)
+
+    def _release(self, entry: tuple[str, float, float, str | None],
+                 keep_count: bool = False) -> None:
+        """Takes a removed commitment's work off its replica and, unless ``keep_count``,
+        its trajectory off its group's count there."""
+        replica, work, _, group = entry
         left = self._work.get(replica, 0.0) - work
         if left <= 1e-9:
             self._work.pop(replica, None)
         else:
             self._work[replica] = left
-        if group is not None:
+        if group is not None and not keep_count:
             key = (group, replica)
             n = self._group_counts.get(key, 0) - 1
             if n > 0:
