@@ -256,10 +256,15 @@ class Engine:
                                 [p.seq.generator for p in sampling])
         outcome = dict(zip((id(p) for p in sampling), verified, strict=True))
         finished: list[GenResult] = []
+        verified_probs: list[np.ndarray] = []  # the step's draft tokens, all sequences
+        verified_ok: list[np.ndarray] = []
         for plan in plans:
-            res = self._postprocess(plan, outcome.get(id(plan)))
+            res = self._postprocess(plan, outcome.get(id(plan)), verified_probs, verified_ok)
             if res is not None:
                 finished.append(res)
+        if verified_probs:  # the calibration learns from the whole step at once
+            self.policy.observe_verification(np.concatenate(verified_probs),
+                                             np.concatenate(verified_ok))
         elapsed = self._clock() - t0
         batch_tokens = sum(p.num_new for p in plans)
         num_drafts = sum(len(p.draft_tokens) for p in plans)
@@ -343,7 +348,10 @@ class Engine:
         return SeqInput(tokens, positions, new_slots.tolist(), cached_slots.tolist(), parents,
                         plan.num_logits)
 
-    def _postprocess(self, plan: _Plan, ver: Verified | None) -> GenResult | None:
+    def _postprocess(self, plan: _Plan, ver: Verified | None, verified_probs: list[np.ndarray],
+                     verified_ok: list[np.ndarray]) -> GenResult | None:
+        """Applies a sequence's step outcome; its draft tokens' predicted probabilities
+        and acceptance are appended to ``verified_probs`` and ``verified_ok``."""
         seq = plan.seq
         if ver is None:  # a prefill chunk that does not reach the end yet
             seq.num_computed += plan.num_new
@@ -356,7 +364,8 @@ class Engine:
         if k:
             accepted = np.zeros(k, dtype=bool)
             accepted[list(ver.accepted)] = True
-            self.policy.observe_verification(plan.draft_probs.tolist(), accepted.tolist())
+            verified_probs.append(plan.draft_probs)
+            verified_ok.append(accepted)
             seq.num_draft_tokens += k
             seq.num_accepted_tokens += m
             self.stats.num_draft_tokens += k

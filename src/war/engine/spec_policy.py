@@ -31,10 +31,11 @@ Not thread-safe: one engine loop owns a policy.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import combinations
 
 import numpy as np
@@ -198,25 +199,25 @@ class StepTimeModel:
     window is recent, the linear fit tracks the local slope of the true
     (piecewise: memory-bound, then compute-bound) cost curve around the current
     load. ``observe`` and ``predict`` are O(1); the solve is redone lazily on the
-    first ``predict`` after new data.
+    first ``predict`` after new data. The arithmetic is plain Python on a 3x3
+    system: called once per engine step, right after a forward pass has evicted
+    the caches, each small numpy call would cost tens of microseconds.
     """
 
     def __init__(self, config: StepTimeConfig | None = None) -> None:
         self.config = config if config is not None else StepTimeConfig()
         c = self.config
-        self._scale: FloatArray = np.array([1.0, c.token_scale, c.context_scale])
-        self._prior: FloatArray = np.array([
-            c.prior_intercept_s,
-            c.prior_per_token_s * c.token_scale,
-            c.prior_per_context_token_s * c.context_scale,
-        ])
-        self._lower: FloatArray = np.array([c.min_intercept_s, 0.0, 0.0])
-        self._gram: FloatArray = np.zeros((3, 3))
-        self._moment: FloatArray = np.zeros(3)
+        self._scale = (1.0, float(c.token_scale), float(c.context_scale))
+        self._prior = [float(c.prior_intercept_s), c.prior_per_token_s * c.token_scale,
+                       c.prior_per_context_token_s * c.context_scale]
+        self._lower = [float(c.min_intercept_s), 0.0, 0.0]
+        self._gram = [[0.0] * 3 for _ in range(3)]
+        self._moment = [0.0] * 3
         self._weight = 0.0
         self._count = 0
-        self._theta: FloatArray | None = self._prior.copy()
-        self._face: tuple[IntArray, IntArray] | None = None  # the last fit's active set
+        self._theta: list[float] | None = list(self._prior)
+        self._unscaled: tuple[float, float, float] | None = None
+        self._face: Face | None = None  # the last fit's active set
 
     @property
     def num_observations(self) -> int:
@@ -231,50 +232,82 @@ class StepTimeModel:
     @property
     def coefficients(self) -> StepTimeCoefficients:
         """The current fit, in unscaled units."""
-        theta = self._solve() / self._scale
-        return StepTimeCoefficients(float(theta[0]), float(theta[1]), float(theta[2]))
+        return StepTimeCoefficients(*self.unscaled_coefficients())
 
     def observe(self, batch_tokens: int, context_tokens: int, seconds: float) -> None:
         """Add one measured step."""
         x = self._features(batch_tokens, context_tokens)
         _check_float("seconds", seconds, 0.0, strict=True)
+        self._add(x, float(seconds))
+
+    def predict_then_observe(self, batch_tokens: int, context_tokens: int,
+                             seconds: float) -> float:
+        """``predict`` for a measured step, then ``observe`` it; returns the prediction
+        (what the model expected before learning from the step)."""
+        x = self._features(batch_tokens, context_tokens)
+        _check_float("seconds", seconds, 0.0, strict=True)
+        t = self._solve()
+        predicted = x[0] * t[0] + x[1] * t[1] + x[2] * t[2]
+        self._add(x, float(seconds))
+        return predicted
+
+    def _add(self, x: list[float], seconds: float) -> None:
         lam = self.config.forgetting
-        self._gram *= lam
-        self._gram += np.outer(x, x)
-        self._moment *= lam
-        self._moment += float(seconds) * x
+        for i, row in enumerate(self._gram):
+            xi = x[i]
+            row[0] = row[0] * lam + xi * x[0]
+            row[1] = row[1] * lam + xi * x[1]
+            row[2] = row[2] * lam + xi * x[2]
+            self._moment[i] = self._moment[i] * lam + seconds * xi
         self._weight = self._weight * lam + 1.0
         self._count += 1
         self._theta = None
+        self._unscaled = None
 
     def predict(self, batch_tokens: int, context_tokens: int) -> float:
         """Predicted duration in seconds of a step with these features (positive)."""
-        return float(self._features(batch_tokens, context_tokens) @ self._solve())
+        x = self._features(batch_tokens, context_tokens)
+        t = self._solve()
+        return x[0] * t[0] + x[1] * t[1] + x[2] * t[2]
+
+    def unscaled_coefficients(self) -> tuple[float, float, float]:
+        """The current fit (intercept, per token, per context token) in seconds."""
+        if self._unscaled is None:
+            t = self._solve()
+            s = self._scale
+            self._unscaled = (t[0] / s[0], t[1] / s[1], t[2] / s[2])
+        return self._unscaled
 
     def predict_many(self, batch_tokens: IntArray, context_tokens: IntArray) -> FloatArray:
         """``predict`` over arrays of non-negative features (not validated)."""
-        theta = self._solve() / self._scale
-        return np.asarray(
-            theta[0] + theta[1] * batch_tokens + theta[2] * context_tokens, dtype=np.float64
-        )
+        t0, t1, t2 = self.unscaled_coefficients()
+        return np.asarray(t0 + t1 * np.asarray(batch_tokens, dtype=np.float64)
+                          + t2 * np.asarray(context_tokens, dtype=np.float64),
+                          dtype=np.float64)
 
-    def _features(self, batch_tokens: int, context_tokens: int) -> FloatArray:
+    def _features(self, batch_tokens: int, context_tokens: int) -> list[float]:
         _check_count("batch_tokens", batch_tokens)
         _check_count("context_tokens", context_tokens)
-        return np.array([1.0, float(batch_tokens), float(context_tokens)]) / self._scale
+        s = self._scale
+        return [1.0 / s[0], float(batch_tokens) / s[1], float(context_tokens) / s[2]]
 
-    def _solve(self) -> FloatArray:
+    def _solve(self) -> list[float]:
         if self._theta is None:
-            s = self.config.prior_strength
-            h = self._gram + s * np.eye(3)
-            g = self._moment + s * self._prior
+            st = self.config.prior_strength
+            h = [[v + (st if i == j else 0.0) for j, v in enumerate(row)]
+                 for i, row in enumerate(self._gram)]
+            g = [m + st * p for m, p in zip(self._moment, self._prior, strict=True)]
             self._theta = _box_qp(h, g, self._lower, self._face)
             self._face = _held_face(self._theta, self._lower)
         return self._theta
 
 
-def _box_qp(h: FloatArray, g: FloatArray, lower: FloatArray,
-            hint: tuple[IntArray, IntArray] | None = None) -> FloatArray:
+Face = tuple[tuple[int, ...], tuple[int, ...]]
+"""(free, held) variable indices of an active set."""
+
+
+def _box_qp(h: Sequence[Sequence[float]], g: Sequence[float], lower: Sequence[float],
+            hint: Face | None = None) -> list[float]:
     """Minimize ``theta' h theta - 2 g' theta`` subject to ``theta >= lower``, with ``h``
     positive definite. The problem is convex, so the point that meets the KKT
     conditions is the optimum: on some face (the variables of an active set held at
@@ -283,50 +316,76 @@ def _box_qp(h: FloatArray, g: FloatArray, lower: FloatArray,
     face ``hint`` (the last fit's, which rarely changes between steps) is tried
     first, then the unconstrained solution, then faces from the fewest held
     variables up."""
+    n = len(g)
     if hint is not None:
         got = _on_face(h, g, lower, *hint)
         if got is not None:
             return got
-    theta = np.linalg.solve(h, g)
-    if np.all(theta >= lower):
-        return np.asarray(theta, dtype=np.float64)
-    for free, held in _faces(len(g)):
+    for free, held in ((tuple(range(n)), ()), *_faces(n)):
         got = _on_face(h, g, lower, free, held)
         if got is not None:
             return got
-    return lower.copy()  # not reached for a positive definite ``h``
+    return [float(v) for v in lower]  # not reached for a positive definite ``h``
 
 
-def _on_face(h: FloatArray, g: FloatArray, lower: FloatArray, free: IntArray,
-             held: IntArray) -> FloatArray | None:
+def _on_face(h: Sequence[Sequence[float]], g: Sequence[float], lower: Sequence[float],
+             free: tuple[int, ...], held: tuple[int, ...]) -> list[float] | None:
     """The minimizer on the face holding ``held`` at their bounds, if it is the
     optimum (module of ``_box_qp``); else None."""
-    cand = lower.copy()
-    if free.size:
-        rhs = g[free] - h[free][:, held] @ lower[held]
-        cand[free] = np.linalg.solve(h[free][:, free], rhs)
-        if np.any(cand[free] < lower[free]):
+    cand = [float(v) for v in lower]
+    if free:
+        rhs = [g[i] - sum(h[i][j] * lower[j] for j in held) for i in free]
+        sol = _solve_linear([[h[i][j] for j in free] for i in free], rhs)
+        if sol is None:
             return None
-    if held.size:
-        grad = h[held] @ cand - g[held]
-        if np.any(grad < -1e-12 * (1.0 + np.abs(g[held]))):
+        for i, v in zip(free, sol, strict=True):
+            if v < lower[i]:
+                return None
+            cand[i] = v
+    for i in held:
+        grad = sum(h[i][j] * cand[j] for j in range(len(cand))) - g[i]
+        if grad < -1e-12 * (1.0 + abs(g[i])):
             return None
     return cand
 
 
-def _held_face(theta: FloatArray, lower: FloatArray) -> tuple[IntArray, IntArray]:
-    at = theta <= lower
-    return np.flatnonzero(~at), np.flatnonzero(at)
+def _solve_linear(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``a x = b`` by Gaussian elimination with partial pivoting (``a`` is not
+    modified); None if ``a`` is singular."""
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if m[p][c] == 0.0:
+            return None
+        m[c], m[p] = m[p], m[c]
+        pivot = m[c]
+        for r in range(c + 1, n):
+            row = m[r]
+            f = row[c] / pivot[c]
+            if f:
+                for j in range(c, n + 1):
+                    row[j] -= f * pivot[j]
+    x = [0.0] * n
+    for c in range(n - 1, -1, -1):
+        row = m[c]
+        x[c] = (row[n] - sum(row[j] * x[j] for j in range(c + 1, n))) / row[c]
+    return x
+
+
+def _held_face(theta: Sequence[float], lower: Sequence[float]) -> Face:
+    free = tuple(i for i, (t, low) in enumerate(zip(theta, lower, strict=True)) if t > low)
+    held = tuple(i for i, (t, low) in enumerate(zip(theta, lower, strict=True)) if t <= low)
+    return free, held
 
 
 @functools.cache
-def _faces(n: int) -> tuple[tuple[IntArray, IntArray], ...]:
-    """(free, held) index arrays of every non-empty active set, fewest held first."""
+def _faces(n: int) -> tuple[Face, ...]:
+    """(free, held) indices of every non-empty active set, fewest held first."""
     out = []
     for size in range(1, n + 1):
         for held in combinations(range(n), size):
-            free = [i for i in range(n) if i not in held]
-            out.append((np.array(free, dtype=np.int64), np.array(held, dtype=np.int64)))
+            out.append((tuple(i for i in range(n) if i not in held), held))
     return tuple(out)
 
 
@@ -351,12 +410,13 @@ class AcceptanceCalibrator:
     def __init__(self, config: CalibratorConfig | None = None) -> None:
         self.config = config if config is not None else CalibratorConfig()
         nb = self.config.num_bins
-        self._centers = (np.arange(nb) + 0.5) / nb
-        self._count = np.zeros(nb)
-        self._accepted = np.zeros(nb)
-        self._predicted = np.zeros(nb)
+        self._centers = [(i + 0.5) / nb for i in range(nb)]
+        self._count = [0.0] * nb
+        self._accepted = [0.0] * nb
+        self._predicted = [0.0] * nb
         self._num_observed = 0
-        self._knots: tuple[FloatArray, FloatArray] | None = None
+        # the map's knots (xs, ys) and the slopes between them
+        self._knots: tuple[list[float], list[float], list[float]] | None = None
 
     @property
     def num_observations(self) -> int:
@@ -367,56 +427,83 @@ class AcceptanceCalibrator:
                 accepted: Sequence[bool] | npt.NDArray[np.bool_]) -> None:
         """Add one step's verification: each proposed draft token's predicted path
         probability and whether it was accepted."""
-        p = _as_probs("predicted_probs", predicted_probs)
+        p = _prob_list("predicted_probs", predicted_probs)
         a = np.asarray(accepted)
         if a.ndim != 1 or len(a) != len(p):
             raise ValueError(
                 f"accepted must be 1-D with one entry per predicted prob ({len(p)}), "
                 f"got shape {a.shape}"
             )
-        if a.dtype != np.bool_:
-            if a.size and (a.dtype.kind not in "iuf" or not np.all((a == 0) | (a == 1))):
-                raise ValueError("accepted must hold booleans (or 0/1)")
-            a = a.astype(bool) if a.size else np.zeros(0, dtype=bool)
+        if a.dtype != np.bool_ and a.size and (
+                a.dtype.kind not in "iuf" or not np.all((a == 0) | (a == 1))):
+            raise ValueError("accepted must hold booleans (or 0/1)")
+        self._observe(p, [bool(x) for x in a.tolist()])
+
+    def _observe(self, p: list[float], accepted: list[bool]) -> None:
         lam = self.config.forgetting
         nb = self.config.num_bins
-        self._count *= lam
-        self._accepted *= lam
-        self._predicted *= lam
-        if len(p):
-            idx = np.minimum((p * nb).astype(np.int64), nb - 1)
-            self._count += np.bincount(idx, minlength=nb)
-            self._accepted += np.bincount(idx, weights=a.astype(np.float64), minlength=nb)
-            self._predicted += np.bincount(idx, weights=p, minlength=nb)
-            self._num_observed += len(p)
+        count, hits, pred = [0.0] * nb, [0.0] * nb, [0.0] * nb  # this step's, per bin
+        for x, ok in zip(p, accepted, strict=True):
+            i = min(int(x * nb), nb - 1)
+            count[i] += 1.0
+            pred[i] += x
+            if ok:
+                hits[i] += 1.0
+        for i in range(nb):
+            self._count[i] = self._count[i] * lam + count[i]
+            self._accepted[i] = self._accepted[i] * lam + hits[i]
+            self._predicted[i] = self._predicted[i] * lam + pred[i]
+        self._num_observed += len(p)
         self._knots = None
 
     def calibrate(self, probs: FloatArray | Sequence[float]) -> FloatArray:
         """Calibrated acceptance probabilities (same shape as ``probs``)."""
         p = np.asarray(probs, dtype=np.float64)
         _check_prob_array("probs", p)
-        xs, ys = self._curve()
+        xs, ys, _ = self._curve()
         return np.asarray(np.interp(p, xs, ys), dtype=np.float64)
 
-    def _curve(self) -> tuple[FloatArray, FloatArray]:
+    def calibrate_list(self, probs: list[float]) -> list[float]:
+        """``calibrate`` of probabilities already validated, as plain floats (numpy's
+        interpolation arithmetic, so the same values)."""
+        xs, ys, slopes = self._curve()
+        last = len(xs) - 1
+        out = []
+        for v in probs:
+            j = bisect.bisect_right(xs, v) - 1
+            if j < 0:
+                out.append(ys[0])
+            elif j >= last:
+                out.append(ys[last])
+            elif xs[j] == v:
+                out.append(ys[j])
+            else:
+                out.append(slopes[j] * (v - xs[j]) + ys[j])
+        return out
+
+    def _curve(self) -> tuple[list[float], list[float], list[float]]:
         if self._knots is None:
             m = self.config.prior_strength
-            weight = self._count + m
-            x = (self._predicted + m * self._centers) / weight
-            y = np.clip(x + (self._accepted - self._predicted) / weight, 0.0, 1.0)
+            weight = [c + m for c in self._count]
+            x = [(p + m * c) / w for p, c, w in zip(self._predicted, self._centers, weight,
+                                                     strict=True)]
+            y = [min(1.0, max(0.0, xi + (a - p) / w)) for xi, a, p, w in
+                 zip(x, self._accepted, self._predicted, weight, strict=True)]
             y = _pava(y, weight)
-            xs = np.concatenate(([0.0], x, [1.0]))
-            ys = np.concatenate(([max(0.0, y[0] - x[0])], y, [min(1.0, y[-1] + 1.0 - x[-1])]))
-            self._knots = (xs, ys)
+            xs = [0.0, *x, 1.0]
+            ys = [max(0.0, y[0] - x[0]), *y, min(1.0, y[-1] + 1.0 - x[-1])]
+            slopes = [(ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]) if xs[j + 1] > xs[j] else 0.0
+                      for j in range(len(xs) - 1)]
+            self._knots = (xs, ys, slopes)
         return self._knots
 
 
-def _pava(y: FloatArray, w: FloatArray) -> FloatArray:
+def _pava(y: Sequence[float], w: Sequence[float]) -> list[float]:
     """Weighted pool-adjacent-violators: the non-decreasing fit closest to ``y``."""
     values: list[float] = []
     weights: list[float] = []
     sizes: list[int] = []
-    for yi, wi in zip(y.tolist(), w.tolist(), strict=True):
+    for yi, wi in zip(y, w, strict=True):
         v, wt, sz = yi, wi, 1
         while values and values[-1] > v:
             pv, pw, ps = values.pop(), weights.pop(), sizes.pop()
@@ -426,7 +513,7 @@ def _pava(y: FloatArray, w: FloatArray) -> FloatArray:
         values.append(v)
         weights.append(wt)
         sizes.append(sz)
-    return np.repeat(np.array(values), sizes)
+    return [v for v, size in zip(values, sizes, strict=True) for _ in range(size)]
 
 
 # --------------------------------------------------------------------------- policy
@@ -495,91 +582,105 @@ class SpecPolicy:
                 f"base_batch_tokens ({base_batch_tokens}) must count one token per "
                 f"decoding sequence ({n})"
             )
+        # Plain Python on short lists: one step's drafts are tens of tokens, and after a
+        # forward pass has evicted the caches each small numpy call costs tens of
+        # microseconds. The arithmetic is numpy's (sequential prefix sums, stable
+        # order), so the choices are the same.
         cap = self.config.max_spec_tokens_per_seq
-        drafts = _as_drafts(draft_probs, cap)
-        lengths = np.array([len(d) for d in drafts], dtype=np.int64)
-        counts = np.zeros(n, dtype=np.int64)
+        drafts = _draft_lists(draft_probs, cap)
+        lengths = [len(d) for d in drafts]
+        total = sum(lengths)
         mode = self.config.mode
-        total = int(lengths.sum())
         step_cap = self.config.max_spec_tokens_per_step
         max_k = total if step_cap is None else min(total, step_cap)
         if mode == "off" or max_k == 0:
-            return self._record(counts, np.zeros(0), n, base_batch_tokens, context_tokens)
-        raw = np.concatenate(drafts)
-        seg = np.repeat(np.arange(n, dtype=np.int64), lengths)
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        q = _segment_running_min(self.calibrator.calibrate(raw), starts, lengths)
+            return self._record([0] * n, 0.0, n, base_batch_tokens, context_tokens)
+        flat = [x for d in drafts for x in d]
+        q = self.calibrator.calibrate_list(flat)
+        _running_min_inplace(q, lengths)
         if mode == "always" and max_k == total:
-            return self._record(lengths, q, n, base_batch_tokens, context_tokens)
-        order = np.argsort(-q, kind="stable")[:max_k]
+            return self._record(lengths, sum(q), n, base_batch_tokens, context_tokens)
+        order = sorted(range(total), key=q.__getitem__, reverse=True)[:max_k]  # stable
         if mode == "always":
             k = max_k
         else:
-            value = (n + self.config.prefill_token_value * (base_batch_tokens - n)
-                     + np.concatenate(([0.0], np.cumsum(q[order]))))
-            ks = np.arange(max_k + 1, dtype=np.int64)
-            cost = self.time_model.predict_many(base_batch_tokens + ks, context_tokens + ks)
-            rate = value / cost
-            k = int(np.argmax(rate))
-            if not rate[k] > rate[0] * (1.0 + self.config.min_gain):
+            t0, t1, t2 = self.time_model.unscaled_coefficients()
+            base = n + self.config.prefill_token_value * (base_batch_tokens - n)
+            rate0 = base / (t0 + t1 * base_batch_tokens + t2 * context_tokens)
+            k, best, acc = 0, rate0, 0.0
+            for j in range(1, max_k + 1):
+                acc += q[order[j - 1]]
+                rate = (base + acc) / (t0 + t1 * (base_batch_tokens + j)
+                                       + t2 * (context_tokens + j))
+                if rate > best:  # (the first maximum, as numpy's argmax)
+                    k, best = j, rate
+            if not best > rate0 * (1.0 + self.config.min_gain):
                 k = 0
-        counts = np.bincount(seg[order[:k]], minlength=n).astype(np.int64)
-        return self._record(counts, q[order[:k]], n, base_batch_tokens, context_tokens)
+        counts = [0] * n
+        if k:
+            seg = [i for i, size in enumerate(lengths) for _ in range(size)]
+            for j in order[:k]:
+                counts[seg[j]] += 1
+        return self._record(counts, sum(q[j] for j in order[:k]), n, base_batch_tokens,
+                            context_tokens)
 
     def observe_step(self, batch_tokens: int, context_tokens: int, seconds: float) -> None:
         """Learn from a measured step (see ``StepTimeModel.observe``)."""
-        _check_float("seconds", seconds, 0.0, strict=True)
-        predicted = self.time_model.predict(batch_tokens, context_tokens)
-        self.time_model.observe(batch_tokens, context_tokens, seconds)
+        predicted = self.time_model.predict_then_observe(batch_tokens, context_tokens, seconds)
         lam = self.config.time.forgetting
         self._err_num = lam * self._err_num + abs(predicted - seconds) / seconds
         self._err_den = lam * self._err_den + 1.0
-        self._stats = replace(
-            self._stats, last_observed_s=float(seconds), last_observed_predicted_s=predicted,
-            mean_abs_rel_error=self._err_num / self._err_den,
+        s = self._stats
+        self._stats = SpecPolicyStats(
+            s.steps, s.last_budget_total, s.last_budget_mean, s.last_num_seqs,
+            s.last_predicted_s, s.last_expected_tokens, float(seconds), predicted,
+            self._err_num / self._err_den, s.last_expected_accepted, s.last_accepted,
         )
 
     def observe_verification(self, predicted_probs: Sequence[float] | FloatArray,
                              accepted: Sequence[bool] | npt.NDArray[np.bool_]) -> None:
-        """Learn from one step's verification (see ``AcceptanceCalibrator.observe``)."""
-        p = _as_probs("predicted_probs", predicted_probs)
-        expected = float(self.calibrator.calibrate(p).sum())
+        """Learn from one step's verification, every sequence's draft tokens in one call
+        (see ``AcceptanceCalibrator.observe``)."""
+        p = _prob_list("predicted_probs", predicted_probs)
+        expected = sum(self.calibrator.calibrate_list(p))
         self.calibrator.observe(p, accepted)
-        self._stats = replace(
-            self._stats, last_expected_accepted=expected,
-            last_accepted=int(np.count_nonzero(np.asarray(accepted))),
-        )
-
-    def _record(self, counts: IntArray, chosen: FloatArray, n: int, base: int,
-                context: int) -> IntArray:
-        k = int(counts.sum())
         s = self._stats
-        self._stats = replace(
-            s, steps=s.steps + 1, last_budget_total=k,
-            last_budget_mean=k / n if n else 0.0, last_num_seqs=n,
-            last_predicted_s=self.time_model.predict(base + k, context + k),
-            last_expected_tokens=(n + self.config.prefill_token_value * (base - n)
-                                  + float(chosen.sum())),
+        self._stats = SpecPolicyStats(
+            s.steps, s.last_budget_total, s.last_budget_mean, s.last_num_seqs,
+            s.last_predicted_s, s.last_expected_tokens, s.last_observed_s,
+            s.last_observed_predicted_s, s.mean_abs_rel_error, expected,
+            int(np.count_nonzero(np.asarray(accepted))),
         )
-        return counts
+
+    def _record(self, counts: list[int], chosen: float, n: int, base: int,
+                context: int) -> IntArray:
+        """Updates the stats for a choice (``chosen``: the sum of its calibrated
+        probabilities) and returns ``counts`` as an array."""
+        k = sum(counts)
+        t0, t1, t2 = self.time_model.unscaled_coefficients()
+        s = self._stats
+        self._stats = SpecPolicyStats(
+            s.steps + 1, k, k / n if n else 0.0, n,
+            t0 + t1 * (base + k) + t2 * (context + k),
+            n + self.config.prefill_token_value * (base - n) + chosen,
+            s.last_observed_s, s.last_observed_predicted_s, s.mean_abs_rel_error,
+            s.last_expected_accepted, s.last_accepted,
+        )
+        return np.array(counts, dtype=np.int64)
 
 
-def _segment_running_min(q: FloatArray, starts: IntArray, lengths: IntArray) -> FloatArray:
-    """Running minimum of ``q`` within each segment (exact; loops only over segments
-    that are not already non-increasing)."""
-    if len(q) < 2:
-        return q
-    rising = np.flatnonzero(np.diff(q) > 0) + 1
-    if len(rising) == 0:
-        return q
-    seg_of = np.searchsorted(starts, rising, side="right") - 1
-    rising_within = seg_of[rising != starts[seg_of]]
-    out = q.copy()
-    for s in np.unique(rising_within).tolist():
-        a = int(starts[s])
-        b = a + int(lengths[s])
-        out[a:b] = np.minimum.accumulate(q[a:b])
-    return out
+def _running_min_inplace(q: list[float], lengths: Sequence[int]) -> None:
+    """Running minimum of ``q`` within each segment (``lengths``: the segments' sizes,
+    in order), in place."""
+    start = 0
+    for size in lengths:
+        low = 1.0
+        for i in range(start, start + size):
+            if q[i] < low:
+                low = q[i]
+            else:
+                q[i] = low
+        start += size
 
 
 # --------------------------------------------------------------------------- checks
@@ -618,36 +719,40 @@ def _check_prob_array(name: str, p: FloatArray) -> None:
         raise ValueError(f"{name} must hold finite probabilities in [0, 1]")
 
 
-def _as_drafts(draft_probs: Sequence[FloatArray | Sequence[float]], cap: int) -> list[FloatArray]:
-    """Each draft as a 1-D float array cut to ``cap`` tokens, validated in one pass."""
-    drafts: list[FloatArray] = []
+def _draft_lists(draft_probs: Sequence[FloatArray | Sequence[float]],
+                 cap: int) -> list[list[float]]:
+    """Each draft as a list of floats cut to ``cap`` tokens, validated (1-D, finite
+    probabilities in [0, 1])."""
+    drafts: list[list[float]] = []
     for d in draft_probs:
-        p = d if isinstance(d, np.ndarray) and d.dtype == np.float64 else None
-        if p is None:
+        if not (isinstance(d, np.ndarray) and d.dtype.kind == "f"):
             try:
-                p = np.asarray(d, dtype=np.float64)
+                d = np.asarray(d, dtype=np.float64)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"draft_probs[{len(drafts)}] must be 1-D probabilities: {e}") \
                     from None
-        if p.ndim != 1:
-            raise ValueError(f"draft_probs[{len(drafts)}] must be 1-D, got shape {p.shape}")
-        drafts.append(p[:cap])
-    if drafts:
-        try:
-            _check_prob_array("draft_probs", np.concatenate(drafts))
-        except ValueError:
-            for i, p in enumerate(drafts):
-                _check_prob_array(f"draft_probs[{i}]", p)
-            raise
+        if d.ndim != 1:
+            raise ValueError(f"draft_probs[{len(drafts)}] must be 1-D, got shape {d.shape}")
+        values: list[float] = d[:cap].tolist()
+        # (NaN fails the comparison; an infinity or complex value is out of range)
+        if not all(0.0 <= x <= 1.0 for x in values):
+            raise ValueError(f"draft_probs[{len(drafts)}] must hold finite probabilities "
+                             "in [0, 1]")
+        drafts.append(values)
     return drafts
 
 
-def _as_probs(name: str, values: Sequence[float] | FloatArray) -> FloatArray:
-    try:
-        p = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{name} must be a 1-D sequence of probabilities: {e}") from None
-    if p.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {p.shape}")
-    _check_prob_array(name, p)
-    return p
+def _prob_list(name: str, values: Sequence[float] | FloatArray) -> list[float]:
+    """``values`` as a list of floats, validated: 1-D, finite probabilities in [0, 1]."""
+    if not (isinstance(values, np.ndarray) and values.dtype.kind == "f"):
+        try:
+            values = np.asarray(values, dtype=np.float64)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name} must be a 1-D sequence of probabilities: {e}") from None
+    if values.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {values.shape}")
+    out: list[float] = values.tolist()
+    # (NaN fails the comparison)
+    if not all(0.0 <= x <= 1.0 for x in out):
+        raise ValueError(f"{name} must hold finite probabilities in [0, 1]")
+    return out
