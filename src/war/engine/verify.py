@@ -156,12 +156,13 @@ def _sampling_walk(
 
 def _residual_draw(probs: Tensor, rejected: Sequence[Sequence[int]], uniforms: Tensor) -> Tensor:
     """One token per row of ``probs`` from the row with its ``rejected`` tokens zeroed."""
-    residual = probs.clone()
     rows = [i for i, toks in enumerate(rejected) for _ in toks]
-    if rows:
-        cols = [t for toks in rejected for t in toks]
-        device = probs.device
-        residual[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = 0.0
+    if not rows:  # nothing rejected (no draft, or every draft token accepted)
+        return sample_from_probs(probs, uniforms)
+    residual = probs.clone()
+    cols = [t for toks in rejected for t in toks]
+    device = probs.device
+    residual[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = 0.0
     mass = residual.sum(dim=-1, keepdim=True)
     residual = torch.where(mass > 0.0, residual, probs)
     return sample_from_probs(residual, uniforms)
