@@ -3,6 +3,7 @@ with a random policy, and the `war rollout` command."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -88,6 +89,17 @@ def test_summary_of_a_step() -> None:
     assert s.acceptance == 0.25 and s.prefix_hit_rate == 0.5
     assert s.success_by_env == {"a": 0.5, "b": 1.0}
     assert s.mean_reward == pytest.approx(2 / 3)
+    assert s.num_reused == 0
+
+    # a resumed step: trajectory t0 was finished by an earlier run, long before
+    early = dataclasses.replace(traj(0, 1.0, "a"), timings={"start": -5000.0, "end": -4990.0})
+    s = summarize(0, [early, traj(1, 0.0, "a"), traj(2, 1.0, "b")], reused={"t0"})
+    assert s.num_reused == 1 and s.num_trajectories == 3
+    assert s.makespan_s == 3.0 and s.tokens_per_s == 6 / 3  # this run's two only
+    assert s.generated_tokens == 9 and s.tokens_per_step == 9 / 6  # every trajectory
+    assert s.mean_reward == pytest.approx(2 / 3)
+    s = summarize(0, [early], reused={"t0"})  # all reused: nothing to time
+    assert s.makespan_s == 0.0 and s.tokens_per_s == 0.0 and s.num_reused == 1
 
 
 @pytest.mark.filterwarnings("error::UserWarning")  # (the report of a resumed run plots nothing)
@@ -115,7 +127,10 @@ def test_war_rollout_command(tmp_path: Path, random_policy: Path,
     assert main(["rollout", "--config", str(config), "--quiet"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "resuming" in out and "12 trajectories already in trajectories.jsonl are reused" in out
+    assert "12 trajectories reused from the stopped run" in out
     assert (run_dir / "trajectories.jsonl").read_bytes() == before
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [(s["num_reused"], s["makespan_s"]) for s in summary["steps"]] == [(6, 0.0), (6, 0.0)]
     assert main(["rollout", "--config", str(tmp_path / "missing.yaml")]) == 1
 
 

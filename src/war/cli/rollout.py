@@ -177,13 +177,23 @@ def summary_table(result: RunResult) -> Table:
                 "turns", "err"):
         table.add_column(col, justify="right", no_wrap=True)
     for s in result.steps:
-        table.add_row(str(s.rl_step), str(s.num_trajectories), f"{s.makespan_s:.1f}s",
-                      f"{s.tokens_per_s:.0f}", f"{s.tokens_per_step:.2f}", f"{s.acceptance:.2f}",
+        timed = s.num_reused < s.num_trajectories  # (a step wholly resumed has no timing)
+        table.add_row(str(s.rl_step), str(s.num_trajectories),
+                      f"{s.makespan_s:.1f}s" if timed else "-",
+                      f"{s.tokens_per_s:.0f}" if timed else "-",
+                      f"{s.tokens_per_step:.2f}", f"{s.acceptance:.2f}",
                       f"{s.prefix_hit_rate:.2f}", f"{s.mean_reward:.2f}", f"{s.mean_turns:.1f}",
                       str(s.num_errors))
+    notes = []
     envs = sorted({e for s in result.steps for e in s.success_by_env})
     if envs:
         last = result.steps[-1]
-        table.caption = "success by environment (last step): " + ", ".join(
-            f"{e} {last.success_by_env.get(e, 0.0):.0%}" for e in envs)
+        notes.append("success by environment (last step): " + ", ".join(
+            f"{e} {last.success_by_env.get(e, 0.0):.0%}" for e in envs))
+    reused = sum(s.num_reused for s in result.steps)
+    if reused:
+        notes.append(f"{reused} trajectories reused from the stopped run: makespan and "
+                     "tok/s time only this run's")
+    if notes:
+        table.caption = "\n".join(notes)
     return table

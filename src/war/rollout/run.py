@@ -14,7 +14,7 @@ import dataclasses
 import json
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,19 +179,28 @@ class StepSummary:
     mean_reward: float
     success_by_env: dict[str, float]
     mean_turns: float
+    num_reused: int = 0  # trajectories an earlier, stopped run had already finished
 
 
-def summarize(rl_step: int, trajs: Sequence[Trajectory]) -> StepSummary:
-    """The figures of one step from its trajectories (see docs: metrics)."""
+def summarize(rl_step: int, trajs: Sequence[Trajectory],
+              reused: Collection[str] = ()) -> StepSummary:
+    """The figures of one step from its trajectories (see docs: metrics).
+
+    ``reused``: ids of trajectories taken over from an earlier run of the step (a
+    resumed run). They count in every figure but the timing ones: the makespan and
+    tokens/s are those of the trajectories this run generated (a step whose
+    trajectories were all reused has neither)."""
     ok = [t for t in trajs if t.finish_reason != "error"]
+    fresh = [t for t in ok if t.trajectory_id not in reused]
     gen = sum(t.num_sampled_tokens for t in ok)
+    fresh_gen = sum(t.num_sampled_tokens for t in fresh)
     passes = sum(t.spec.get("forward_passes", 0.0) for t in ok)
     draft = sum(t.spec.get("draft_tokens", 0.0) for t in ok)
     acc = sum(t.spec.get("accepted_tokens", 0.0) for t in ok)
     prompt = sum(t.spec.get("prompt_tokens", 0.0) for t in ok)
     cached = sum(t.spec.get("cached_prompt_tokens", 0.0) for t in ok)
-    starts = [t.timings["start"] for t in ok if "start" in t.timings]
-    ends = [t.timings["end"] for t in ok if "end" in t.timings]
+    starts = [t.timings["start"] for t in fresh if "start" in t.timings]
+    ends = [t.timings["end"] for t in fresh if "end" in t.timings]
     makespan = max(ends) - min(starts) if starts and ends else 0.0
     by_env: dict[str, list[float]] = {}
     for t in trajs:
@@ -199,13 +208,14 @@ def summarize(rl_step: int, trajs: Sequence[Trajectory]) -> StepSummary:
     return StepSummary(
         rl_step=rl_step, num_trajectories=len(trajs), num_errors=len(trajs) - len(ok),
         makespan_s=makespan, generated_tokens=gen,
-        tokens_per_s=gen / makespan if makespan > 0 else 0.0,
+        tokens_per_s=fresh_gen / makespan if makespan > 0 else 0.0,
         tokens_per_step=gen / passes if passes else 0.0,
         acceptance=acc / draft if draft else 0.0,
         prefix_hit_rate=cached / prompt if prompt else 0.0,
         mean_reward=sum(t.reward for t in trajs) / len(trajs) if trajs else 0.0,
         success_by_env={e: sum(r >= 1.0 for r in rs) / len(rs) for e, rs in by_env.items()},
-        mean_turns=sum(t.num_turns for t in ok) / len(ok) if ok else 0.0)
+        mean_turns=sum(t.num_turns for t in ok) / len(ok) if ok else 0.0,
+        num_reused=sum(t.trajectory_id in reused for t in trajs))
 
 
 @dataclass
@@ -258,13 +268,15 @@ async def run_rollout(
             if on_step is not None:
                 on_step(step, tasks)
             t0 = time.perf_counter()
+            fresh: set[str] = set()  # generated now (the others resume an earlier run)
             trajs = await run_step_async(
                 tasks, reps, io,
                 RolloutConfig(group_size=cfg.group_size, agent=cfg.agent, rl_step=step,
                               seed=cfg.seed),
-                output=run_dir / "trajectories.jsonl", on_done=on_done)
+                output=run_dir / "trajectories.jsonl", on_done=_noting(fresh, on_done))
             bounds.append((t0, time.perf_counter()))
-            summaries.append(summarize(step, trajs))
+            summaries.append(summarize(
+                step, trajs, {t.trajectory_id for t in trajs} - fresh))
             every.extend(trajs)
         timelines = {name: await r.call(_timeline) for name, r in reps.items()}
     finally:
@@ -277,6 +289,16 @@ async def run_rollout(
         {"config": _jsonable(dataclasses.asdict(cfg)),
          "steps": [dataclasses.asdict(s) for s in summaries]}, indent=2))
     return result
+
+
+def _noting(ids: set[str], on_done: Callable[[Trajectory], None] | None
+            ) -> Callable[[Trajectory], None]:
+    """``on_done`` that also adds each finished trajectory's id to ``ids``."""
+    def done(traj: Trajectory) -> None:
+        ids.add(traj.trajectory_id)
+        if on_done is not None:
+            on_done(traj)
+    return done
 
 
 def _timeline(engine: object) -> list[StepRecord]:
