@@ -345,8 +345,7 @@ class Engine:
         new_slots = tbl[new_pos // bs] * bs + new_pos % bs
         cached_pos = np.arange(start)
         cached_slots = tbl[cached_pos // bs] * bs + cached_pos % bs
-        return SeqInput(tokens, positions, new_slots.tolist(), cached_slots.tolist(), parents,
-                        plan.num_logits)
+        return SeqInput(tokens, positions, new_slots, cached_slots, parents, plan.num_logits)
 
     def _postprocess(self, plan: _Plan, ver: Verified | None, verified_probs: list[np.ndarray],
                      verified_ok: list[np.ndarray]) -> GenResult | None:
