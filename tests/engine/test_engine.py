@@ -112,6 +112,29 @@ def test_auto_mode_is_lossless_and_counts(model64: CausalLM) -> None:
     assert sum(r.accepted_tokens for r in eng.timeline) == st.num_accepted_tokens
 
 
+def test_calibration_learns_once_per_step(model64: CausalLM,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sequence's verified draft tokens reach the calibration in one call per
+    step (its forgetting counts steps), and all of them do."""
+    eng = make_engine(model64, spec_mode="always",
+                      spec=SpecConfig(min_prob=0.0, max_spec_tokens=6))
+    calls: list[tuple[int, int, int]] = []  # (step, draft tokens, accepted)
+    learn = eng.policy.observe_verification
+
+    def observe(probs: object, accepted: object) -> None:
+        calls.append((eng.stats.num_steps, len(probs), int(sum(accepted))))  # type: ignore[arg-type]
+        learn(probs, accepted)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(eng.policy, "observe_verification", observe)
+    run(eng, requests(prompts(5, 6)))
+    steps = [c[0] for c in calls]
+    assert len(steps) == len(set(steps)) > 0  # at most one call a step
+    assert sum(c[1] for c in calls) == eng.stats.num_draft_tokens
+    assert sum(c[2] for c in calls) == eng.stats.num_accepted_tokens
+    assert eng.policy.calibrator.num_observations == eng.stats.num_draft_tokens
+    assert max(r.num_seqs for r in eng.timeline if r.draft_tokens) > 1  # batched steps
+
+
 def test_prefix_cache_reuse_and_multi_turn(model64: CausalLM) -> None:
     eng = make_engine(model64, spec_mode="off")
     prompt = tuple(range(1, 23))  # 22 tokens = 5 full blocks of 4 + 2
