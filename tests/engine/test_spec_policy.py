@@ -344,9 +344,20 @@ def test_bad_inputs() -> None:
         (good, -1, 0),
         (good, 1, -5),
         (good, 0, 0),  # fewer base tokens than decoding sequences
+        ([np.array([np.inf])], 1, 0),
+        ([np.array([0.5 + 1j])], 1, 0),
+        ([[0.2, -0.1]], 1, 0),
+        ([["x"]], 1, 0),
+        ([0.5], 1, 0),  # a draft must be a sequence
     ]:
         with pytest.raises(ValueError):
-            pol.choose(drafts, base, ctx)
+            pol.choose(drafts, base, ctx)  # type: ignore[arg-type]
+    assert pol.stats.steps == 0  # nothing was recorded
+    with pytest.raises(ValueError):
+        cal.observe([0.5, float("inf")], [True, False])
+    with pytest.raises(ValueError):
+        cal.observe(np.array([0.5 + 1j]), [True])
+    assert cal.num_observations == 0
     with pytest.raises(ValueError):
         pol.observe_step(10, 10, -1.0)
     with pytest.raises(ValueError):

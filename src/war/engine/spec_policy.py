@@ -726,6 +726,9 @@ def _draft_lists(draft_probs: Sequence[FloatArray | Sequence[float]],
     drafts: list[list[float]] = []
     for d in draft_probs:
         if not (isinstance(d, np.ndarray) and d.dtype.kind == "f"):
+            if isinstance(d, np.ndarray) and d.dtype.kind not in "biu":
+                raise ValueError(f"draft_probs[{len(drafts)}] must hold real probabilities, "
+                                 f"got dtype {d.dtype}")
             try:
                 d = np.asarray(d, dtype=np.float64)
             except (TypeError, ValueError) as e:
@@ -745,6 +748,8 @@ def _draft_lists(draft_probs: Sequence[FloatArray | Sequence[float]],
 def _prob_list(name: str, values: Sequence[float] | FloatArray) -> list[float]:
     """``values`` as a list of floats, validated: 1-D, finite probabilities in [0, 1]."""
     if not (isinstance(values, np.ndarray) and values.dtype.kind == "f"):
+        if isinstance(values, np.ndarray) and values.dtype.kind not in "biu":
+            raise ValueError(f"{name} must hold real probabilities, got dtype {values.dtype}")
         try:
             values = np.asarray(values, dtype=np.float64)
         except (TypeError, ValueError) as e:
