@@ -135,6 +135,8 @@ def _sampling_walk(
     row = 0
     used = 0
     while True:
+        if not kids[row]:  # a leaf (or no draft): nothing to test here
+            return accepted, row, []
         mass = row_mass(row)
         rejected: list[int] = []
         nxt = -1
@@ -252,9 +254,10 @@ def _sampled_walks(
         child_rows.extend(base + 1 + p for p in tree.parents)
         child_cols.extend(tokens)
     probs = sampling_probs_rows(logits[torch.tensor(rows, device=device)], row_params)
-    masses: list[float] = probs.sum(dim=-1).tolist()
+    masses: list[float] = []  # (read by the walks only where a tree has nodes)
     child_p: list[float] = []  # node i of tree j: child_p[(nodes of trees < j) + i]
     if child_rows:
+        masses = probs.sum(dim=-1).tolist()
         child_p = probs[torch.tensor(child_rows, device=device),
                         torch.tensor(child_cols, device=device)].tolist()
     accepted_of: list[list[int]] = []
