@@ -149,6 +149,30 @@ def test_calibrator_monotone_under_random_observations() -> None:
         assert np.all(np.diff(out) >= -1e-12) and out.min() >= 0 and out.max() <= 1
 
 
+def test_calibrator_plain_python_path_equals_numpy_interpolation() -> None:
+    """``calibrate_list`` (the policy's per-step path) gives exactly ``np.interp``'s
+    values, knots and the ends included."""
+    rng = np.random.default_rng(6)
+    cal = AcceptanceCalibrator(CalibratorConfig(prior_strength=2.0))
+    for _ in range(30):
+        p = rng.random(25) ** 2
+        cal.observe(p, rng.random(25) < 0.6 * p)
+        xs, _, _ = cal._curve()
+        probe = [*rng.random(200).tolist(), 0.0, 1.0, *xs]
+        assert cal.calibrate_list(probe) == cal.calibrate(np.array(probe)).tolist()
+
+
+def test_linear_solve_pivots_and_reports_singular() -> None:
+    from war.engine.spec_policy import _solve_linear
+
+    a = [[0.0, 2.0, 1.0], [1.0, 1.0, 0.0], [3.0, 0.0, 1.0]]  # needs a row swap
+    x = _solve_linear(a, [5.0, 3.0, 6.0])
+    assert x is not None
+    np.testing.assert_allclose(np.array(a) @ np.array(x), [5.0, 3.0, 6.0], atol=1e-12)
+    assert a == [[0.0, 2.0, 1.0], [1.0, 1.0, 0.0], [3.0, 0.0, 1.0]]  # not modified
+    assert _solve_linear([[1.0, 2.0], [2.0, 4.0]], [1.0, 2.0]) is None
+
+
 def test_calibrator_forgets() -> None:
     rng = np.random.default_rng(5)
     cal = AcceptanceCalibrator(CalibratorConfig(forgetting=0.95))
