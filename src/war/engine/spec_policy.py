@@ -278,13 +278,6 @@ class StepTimeModel:
             self._unscaled = (t[0] / s[0], t[1] / s[1], t[2] / s[2])
         return self._unscaled
 
-    def predict_many(self, batch_tokens: IntArray, context_tokens: IntArray) -> FloatArray:
-        """``predict`` over arrays of non-negative features (not validated)."""
-        t0, t1, t2 = self.unscaled_coefficients()
-        return np.asarray(t0 + t1 * np.asarray(batch_tokens, dtype=np.float64)
-                          + t2 * np.asarray(context_tokens, dtype=np.float64),
-                          dtype=np.float64)
-
     def _features(self, batch_tokens: int, context_tokens: int) -> list[float]:
         _check_count("batch_tokens", batch_tokens)
         _check_count("context_tokens", context_tokens)
@@ -723,30 +716,13 @@ def _draft_lists(draft_probs: Sequence[FloatArray | Sequence[float]],
                  cap: int) -> list[list[float]]:
     """Each draft as a list of floats cut to ``cap`` tokens, validated (1-D, finite
     probabilities in [0, 1])."""
-    drafts: list[list[float]] = []
-    for d in draft_probs:
-        if not (isinstance(d, np.ndarray) and d.dtype.kind == "f"):
-            if isinstance(d, np.ndarray) and d.dtype.kind not in "biu":
-                raise ValueError(f"draft_probs[{len(drafts)}] must hold real probabilities, "
-                                 f"got dtype {d.dtype}")
-            try:
-                d = np.asarray(d, dtype=np.float64)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"draft_probs[{len(drafts)}] must be 1-D probabilities: {e}") \
-                    from None
-        if d.ndim != 1:
-            raise ValueError(f"draft_probs[{len(drafts)}] must be 1-D, got shape {d.shape}")
-        values: list[float] = d[:cap].tolist()
-        # (NaN fails the comparison; an infinity or complex value is out of range)
-        if not all(0.0 <= x <= 1.0 for x in values):
-            raise ValueError(f"draft_probs[{len(drafts)}] must hold finite probabilities "
-                             "in [0, 1]")
-        drafts.append(values)
-    return drafts
+    return [_prob_list(f"draft_probs[{i}]", d, cap) for i, d in enumerate(draft_probs)]
 
 
-def _prob_list(name: str, values: Sequence[float] | FloatArray) -> list[float]:
-    """``values`` as a list of floats, validated: 1-D, finite probabilities in [0, 1]."""
+def _prob_list(name: str, values: Sequence[float] | FloatArray,
+               cap: int | None = None) -> list[float]:
+    """``values`` (its first ``cap``, if given) as a list of floats, validated: 1-D,
+    finite probabilities in [0, 1]."""
     if not (isinstance(values, np.ndarray) and values.dtype.kind == "f"):
         if isinstance(values, np.ndarray) and values.dtype.kind not in "biu":
             raise ValueError(f"{name} must hold real probabilities, got dtype {values.dtype}")
@@ -756,8 +732,8 @@ def _prob_list(name: str, values: Sequence[float] | FloatArray) -> list[float]:
             raise ValueError(f"{name} must be a 1-D sequence of probabilities: {e}") from None
     if values.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {values.shape}")
-    out: list[float] = values.tolist()
-    # (NaN fails the comparison)
+    out: list[float] = (values if cap is None else values[:cap]).tolist()
+    # (NaN fails the comparison; an infinity is out of range)
     if not all(0.0 <= x <= 1.0 for x in out):
         raise ValueError(f"{name} must hold finite probabilities in [0, 1]")
     return out
