@@ -37,6 +37,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -421,18 +422,10 @@ class AcceptanceCalibrator:
         """Add one step's verification: each proposed draft token's predicted path
         probability and whether it was accepted."""
         p = _prob_list("predicted_probs", predicted_probs)
-        a = np.asarray(accepted)
-        if a.ndim != 1 or len(a) != len(p):
-            raise ValueError(
-                f"accepted must be 1-D with one entry per predicted prob ({len(p)}), "
-                f"got shape {a.shape}"
-            )
-        if a.dtype != np.bool_ and a.size and (
-                a.dtype.kind not in "iuf" or not np.all((a == 0) | (a == 1))):
-            raise ValueError("accepted must hold booleans (or 0/1)")
-        self._observe(p, [bool(x) for x in a.tolist()])
+        self.observe_checked(p, _accepted_list(accepted, len(p)))
 
-    def _observe(self, p: list[float], accepted: list[bool]) -> None:
+    def observe_checked(self, p: list[float], accepted: list[bool]) -> None:
+        """``observe`` of inputs already validated (``_prob_list``, ``_accepted_list``)."""
         lam = self.config.forgetting
         nb = self.config.num_bins
         count, hits, pred = [0.0] * nb, [0.0] * nb, [0.0] * nb  # this step's, per bin
@@ -512,9 +505,9 @@ def _pava(y: Sequence[float], w: Sequence[float]) -> list[float]:
 # --------------------------------------------------------------------------- policy
 
 
-@dataclass(frozen=True)
-class SpecPolicyStats:
-    """What the policy last did and how well it predicted.
+class SpecPolicyStats(NamedTuple):
+    """What the policy last did and how well it predicted (a named tuple: it is
+    replaced every step, and ``_replace`` costs a tenth of ``dataclasses.replace``).
 
     * ``steps``: ``choose`` calls; ``last_budget_total``, ``last_budget_mean``:
       draft tokens chosen in the last one, in total and per sequence;
@@ -623,27 +616,20 @@ class SpecPolicy:
         lam = self.config.time.forgetting
         self._err_num = lam * self._err_num + abs(predicted - seconds) / seconds
         self._err_den = lam * self._err_den + 1.0
-        s = self._stats
-        self._stats = SpecPolicyStats(
-            s.steps, s.last_budget_total, s.last_budget_mean, s.last_num_seqs,
-            s.last_predicted_s, s.last_expected_tokens, float(seconds), predicted,
-            self._err_num / self._err_den, s.last_expected_accepted, s.last_accepted,
-        )
+        self._stats = self._stats._replace(
+            last_observed_s=float(seconds), last_observed_predicted_s=predicted,
+            mean_abs_rel_error=self._err_num / self._err_den)
 
     def observe_verification(self, predicted_probs: Sequence[float] | FloatArray,
                              accepted: Sequence[bool] | npt.NDArray[np.bool_]) -> None:
         """Learn from one step's verification, every sequence's draft tokens in one call
         (see ``AcceptanceCalibrator.observe``)."""
         p = _prob_list("predicted_probs", predicted_probs)
+        ok = _accepted_list(accepted, len(p))
         expected = sum(self.calibrator.calibrate_list(p))
-        self.calibrator.observe(p, accepted)
-        s = self._stats
-        self._stats = SpecPolicyStats(
-            s.steps, s.last_budget_total, s.last_budget_mean, s.last_num_seqs,
-            s.last_predicted_s, s.last_expected_tokens, s.last_observed_s,
-            s.last_observed_predicted_s, s.mean_abs_rel_error, expected,
-            int(np.count_nonzero(np.asarray(accepted))),
-        )
+        self.calibrator.observe_checked(p, ok)
+        self._stats = self._stats._replace(last_expected_accepted=expected,
+                                           last_accepted=sum(ok))
 
     def _record(self, counts: list[int], chosen: float, n: int, base: int,
                 context: int) -> IntArray:
@@ -651,14 +637,11 @@ class SpecPolicy:
         probabilities) and returns ``counts`` as an array."""
         k = sum(counts)
         t0, t1, t2 = self.time_model.unscaled_coefficients()
-        s = self._stats
-        self._stats = SpecPolicyStats(
-            s.steps + 1, k, k / n if n else 0.0, n,
-            t0 + t1 * (base + k) + t2 * (context + k),
-            n + self.config.prefill_token_value * (base - n) + chosen,
-            s.last_observed_s, s.last_observed_predicted_s, s.mean_abs_rel_error,
-            s.last_expected_accepted, s.last_accepted,
-        )
+        self._stats = self._stats._replace(
+            steps=self._stats.steps + 1, last_budget_total=k,
+            last_budget_mean=k / n if n else 0.0, last_num_seqs=n,
+            last_predicted_s=t0 + t1 * (base + k) + t2 * (context + k),
+            last_expected_tokens=n + self.config.prefill_token_value * (base - n) + chosen)
         return np.array(counts, dtype=np.int64)
 
 
@@ -717,6 +700,20 @@ def _draft_lists(draft_probs: Sequence[FloatArray | Sequence[float]],
     """Each draft as a list of floats cut to ``cap`` tokens, validated (1-D, finite
     probabilities in [0, 1])."""
     return [_prob_list(f"draft_probs[{i}]", d, cap) for i, d in enumerate(draft_probs)]
+
+
+def _accepted_list(accepted: Sequence[bool] | npt.NDArray[np.bool_], n: int) -> list[bool]:
+    """``accepted`` as a list of ``n`` booleans, validated (1-D, booleans or 0/1)."""
+    a = np.asarray(accepted)
+    if a.ndim != 1 or len(a) != n:
+        raise ValueError(
+            f"accepted must be 1-D with one entry per predicted prob ({n}), "
+            f"got shape {a.shape}"
+        )
+    if a.dtype != np.bool_ and a.size and (
+            a.dtype.kind not in "iuf" or not np.all((a == 0) | (a == 1))):
+        raise ValueError("accepted must hold booleans (or 0/1)")
+    return [bool(x) for x in a.tolist()]
 
 
 def _prob_list(name: str, values: Sequence[float] | FloatArray,
