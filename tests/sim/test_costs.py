@@ -4,6 +4,7 @@ profile fitted to the CPU engine's measured cost curve."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -63,25 +64,64 @@ def test_linear_cost() -> None:
         LinearCost(0.0)
 
 
+def _exact_points(truth: ProfileCost) -> list[CurvePoint]:
+    return [CurvePoint(b, k, c, 1e3 * truth.step_time(*CurvePoint(b, k, c, 1.0).shape()))
+            for b in (1, 2, 4, 8, 16, 64) for k in (0, 2, 4, 16) for c in (128, 512)]
+
+
 def test_profile_recovers_an_exact_model() -> None:
     truth = ProfileCost((0.002, 1e-5, 2e-7, 3e-4, 1e-9))
-    pts = [CurvePoint(b, k, c, 1e3 * truth.step_time(*CurvePoint(b, k, c, 1.0).shape()))
-           for b in (1, 4, 16, 64) for k in (0, 4, 16) for c in (128, 512)]
+    assert truth.coefficients[-1] == 0.0 and truth.knot == 0
+    pts = _exact_points(truth)
     fit = ProfileCost.fit(pts)
     assert max(fit.errors(pts)) < 1e-6
+    assert fit.coefficients[-1] * fit.knot < 1e-9  # no small-batch term worth the name
+
+
+def test_profile_finds_the_small_batch_knot() -> None:
+    """Steps whose first 8 tokens cost more each: cross-validation picks knot 8 among
+    the candidates and recovers the model; with two batch sizes it cannot validate
+    and fits no knot."""
+    truth = ProfileCost((0.002, 1e-5, 2e-7, 3e-4, 1e-9, 2e-4), knot=8)
+    pts = _exact_points(truth)
+    fit = ProfileCost.fit(pts)
+    assert fit.knot == 8
+    assert max(fit.errors(pts)) < 1e-6
+    assert fit.coefficients[-1] == pytest.approx(2e-4, rel=1e-6)
+    two = [p for p in pts if p.batch in (1, 64)]
+    assert ProfileCost.fit(two).knot == 0
+    assert ProfileCost.fit(pts, knots=()).knot == 0
+    assert ProfileCost.fit(pts, knots=(4, 16)).knot in (4, 16)
+
+
+def test_profile_refuses_bad_settings() -> None:
+    for coef in [(1.0,) * 4, (1.0,) * 7, (1.0, -1.0, 0, 0, 0), (0.0,) * 6,
+                 (math.inf, 0, 0, 0, 0)]:
+        with pytest.raises(ValueError):
+            ProfileCost(coef)
+    for knot in (-1, 2.5, True):
+        with pytest.raises(ValueError):
+            ProfileCost((1.0,) * 6, knot=knot)  # type: ignore[arg-type]
+    pts = _exact_points(ProfileCost((0.002, 1e-5, 2e-7, 3e-4, 1e-9)))
+    for knots in [(0,), (-4,), (2.0,)]:
+        with pytest.raises(ValueError):
+            ProfileCost.fit(pts, knots=knots)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        ProfileCost.fit([])
 
 
 def test_profile_predicts_held_out_shapes_of_the_cpu_engine() -> None:
     """Real data: the CPU engine's forward pass (``measure_cost_curve``, the function
     ``bench_load.py`` uses), measured once on this project's benchmark model shape and
-    checked in. Fitted on batch sizes 1, 4, 16, 64 it predicts 2, 8, 32."""
+    checked in. Fitted on batch sizes 1, 4, 16, 64 it predicts every shape of 2, 8, 32
+    within 15%."""
     points = load_cost_curve(CURVE)
     fit, held = split_by_batch(points)
     assert {p.batch for p in fit} == {1, 4, 16, 64} and {p.batch for p in held} == {2, 8, 32}
+    assert len(held) == 30
     errors = ProfileCost.fit(fit).errors(held)
-    assert statistics.mean(errors) <= 0.15
-    assert statistics.median(errors) <= 0.15
-    assert sum(e <= 0.15 for e in errors) >= 0.9 * len(errors)
+    assert max(errors) <= 0.15
+    assert statistics.mean(errors) <= 0.06
 
 
 def test_bench_load_report_format() -> None:

@@ -7,17 +7,25 @@ context is the record's ``context`` or the report's ``config.cost_context``), ho
 turn a record into a step's shape, and a non-negative least-squares fit of::
 
     seconds = c0 + c1 * batch_tokens + c2 * context_tokens + c3 * num_seqs + c4 * pairs
+              + c5 * min(batch_tokens, knot)
 
 where ``pairs = batch_tokens * context_tokens / num_seqs`` (attention's query-key
-pairs), minimizing relative error. Does not know the engine or hardware: the
-profile is only as good as the shapes it was measured on (a curve measured at one
-context length cannot separate the per-sequence and per-context terms; measure two).
+pairs), minimizing relative error. The last term lets a step's first ``knot`` tokens
+cost more each than later ones: on a CPU, matrix products over a handful of rows
+leave most of the vector units idle, so the cost per token falls as the batch grows.
+``knot`` is chosen by cross-validation (``fit``: leave one measured batch size out,
+least root-mean-square relative error over ``SMALL_BATCH_KNOTS`` and no such term),
+so a curve without that bend gets no such term. Does not know the engine or
+hardware: the profile is only as good as the shapes it was measured on (a curve
+measured at one context length cannot separate the per-sequence and per-context
+terms; measure two).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +33,10 @@ from typing import Any
 
 import numpy as np
 
-FEATURES = ("intercept", "batch_tokens", "context_tokens", "num_seqs", "pairs")
+FEATURES = ("intercept", "batch_tokens", "context_tokens", "num_seqs", "pairs",
+            "small_batch_tokens")
+# candidate knots of the small-batch term (tokens in a step); ``fit`` picks one or none
+SMALL_BATCH_KNOTS = (2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -51,9 +62,11 @@ class CurvePoint:
                 self.batch * self.draft_tokens)
 
 
-def features(num_seqs: int, batch_tokens: int, context_tokens: int) -> list[float]:
+def features(num_seqs: int, batch_tokens: int, context_tokens: int,
+             knot: int = 0) -> list[float]:
+    """The model's features of a step (``FEATURES``; the last is 0 without a knot)."""
     return [1.0, float(batch_tokens), float(context_tokens), float(num_seqs),
-            batch_tokens * context_tokens / max(num_seqs, 1)]
+            batch_tokens * context_tokens / max(num_seqs, 1), float(min(batch_tokens, knot))]
 
 
 def load_cost_curve(path: str | Path, context: int | None = None) -> list[CurvePoint]:
@@ -83,21 +96,31 @@ def parse_cost_curve(report: dict[str, Any], context: int | None = None) -> list
 
 @dataclass(frozen=True)
 class ProfileCost:
-    """The fitted model (module docstring); ``coefficients`` in seconds per feature."""
+    """The fitted model (module docstring); ``coefficients`` in seconds per feature
+    (``FEATURES``; five of them mean no small-batch term), ``knot`` the small-batch
+    term's (0: none)."""
 
-    coefficients: tuple[float, float, float, float, float]
+    coefficients: tuple[float, ...]
     kv_tokens: int | None = None
     name: str = "profile"
+    knot: int = 0
 
     def __post_init__(self) -> None:
-        if len(self.coefficients) != len(FEATURES) or min(self.coefficients) < 0:
-            raise ValueError(f"need {len(FEATURES)} non-negative coefficients")
-        if not sum(self.coefficients) > 0:
-            raise ValueError("all coefficients are zero")
+        coef = tuple(float(c) for c in self.coefficients)
+        if len(coef) == len(FEATURES) - 1:
+            coef += (0.0,)
+        if len(coef) != len(FEATURES) or not all(c >= 0 for c in coef):
+            raise ValueError(f"need {len(FEATURES)} (or {len(FEATURES) - 1}) non-negative "
+                             f"coefficients, got {self.coefficients!r}")
+        if not sum(coef) > 0 or not all(c < float("inf") for c in coef):
+            raise ValueError(f"coefficients must be finite and not all zero, got {coef!r}")
+        if isinstance(self.knot, bool) or not isinstance(self.knot, int) or self.knot < 0:
+            raise ValueError(f"knot must be an int >= 0, got {self.knot!r}")
+        object.__setattr__(self, "coefficients", coef)
 
     def step_time(self, num_seqs: int, batch_tokens: int, context_tokens: int,
                   draft_tokens: int = 0) -> float:
-        x = features(num_seqs, batch_tokens, context_tokens)
+        x = features(num_seqs, batch_tokens, context_tokens, self.knot)
         t = sum(c * v for c, v in zip(self.coefficients, x, strict=True))
         return max(t, 1e-6)
 
@@ -105,18 +128,43 @@ class ProfileCost:
         return self.kv_tokens
 
     @classmethod
-    def fit(cls, points: Sequence[CurvePoint], kv_tokens: int | None = None) -> ProfileCost:
-        """Fits the coefficients to ``points`` (at least one)."""
+    def fit(cls, points: Sequence[CurvePoint], kv_tokens: int | None = None,
+            knots: Sequence[int] = SMALL_BATCH_KNOTS) -> ProfileCost:
+        """Fits the coefficients to ``points`` (at least one), with the small-batch knot
+        of ``knots`` (or none) whose leave-one-batch-size-out predictions have the least
+        root-mean-square relative error; ties keep the earlier candidate, none first.
+        With fewer than three batch sizes there is nothing to validate on: no knot."""
         if not points:
             raise ValueError("no points to fit")
-        x = np.array([features(*p.shape()[:3]) for p in points])
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in knots):
+            raise ValueError(f"knots must be ints >= 1, got {list(knots)!r}")
+        sizes = sorted({p.batch for p in points})
+        best_knot = 0
+        if len(sizes) >= 3 and knots:
+            best = math.inf
+            for knot in (0, *knots):
+                errors: list[float] = []
+                for size in sizes:
+                    train = [p for p in points if p.batch != size]
+                    test = [p for p in points if p.batch == size]
+                    errors += cls._fit_knot(train, knot, kv_tokens).errors(test)
+                rms = math.sqrt(sum(e * e for e in errors) / len(errors))
+                if rms < best:
+                    best, best_knot = rms, knot
+        return cls._fit_knot(points, best_knot, kv_tokens)
+
+    @classmethod
+    def _fit_knot(cls, points: Sequence[CurvePoint], knot: int,
+                  kv_tokens: int | None) -> ProfileCost:
+        x = np.array([features(*p.shape()[:3], knot) for p in points])
+        if knot == 0:
+            x = x[:, :-1]  # (an all-zero column)
         y = np.array([p.step_ms / 1e3 for p in points])
         w = 1.0 / y  # relative error
-        coef = nnls(x * w[:, None], y * w)
-        c0, c1, c2, c3, c4 = (float(v) for v in coef)
-        if c0 + c1 + c2 + c3 + c4 <= 0:
-            c0 = float(np.median(y))
-        return cls((c0, c1, c2, c3, c4), kv_tokens)
+        coef = [float(v) for v in nnls(x * w[:, None], y * w)]
+        if sum(coef) <= 0:
+            coef[0] = float(np.median(y))
+        return cls(tuple(coef), kv_tokens, knot=knot)
 
     def errors(self, points: Sequence[CurvePoint]) -> list[float]:
         """``|predicted - measured| / measured`` of each point."""
