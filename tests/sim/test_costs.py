@@ -75,19 +75,31 @@ def test_profile_recovers_an_exact_model() -> None:
     pts = _exact_points(truth)
     fit = ProfileCost.fit(pts)
     assert max(fit.errors(pts)) < 1e-6
-    assert fit.coefficients[-1] * fit.knot < 1e-9  # no small-batch term worth the name
+    if fit.knot:  # a knot, if any, with the same cost per token on both sides
+        assert fit.coefficients[-1] == pytest.approx(fit.coefficients[1], rel=1e-6)
 
 
-def test_profile_finds_the_small_batch_knot() -> None:
-    """Steps whose first 8 tokens cost more each: cross-validation picks knot 8 among
-    the candidates and recovers the model; with two batch sizes it cannot validate
-    and fits no knot."""
+def test_profile_finds_the_knot() -> None:
+    """Steps whose first 8 tokens cost more each (a CPU), or whose first 32 cost
+    nothing (a GPU decoding below its compute bound): cross-validation picks the knot
+    among the candidates and recovers the model; with two batch sizes it cannot
+    validate and fits no knot."""
     truth = ProfileCost((0.002, 1e-5, 2e-7, 3e-4, 1e-9, 2e-4), knot=8)
     pts = _exact_points(truth)
     fit = ProfileCost.fit(pts)
     assert fit.knot == 8
     assert max(fit.errors(pts)) < 1e-6
     assert fit.coefficients[-1] == pytest.approx(2e-4, rel=1e-6)
+    # a token beyond the knot: its own cost, a context token and 9*100 - 8*99 pairs
+    assert fit.step_time(1, 9, 100) - fit.step_time(1, 8, 99) == pytest.approx(
+        1e-5 + 2e-7 + 1e-9 * 108, rel=1e-6)
+    gpu = ProfileCost((0.005, 1e-4, 1e-7, 0.0, 0.0, 0.0), knot=32)
+    assert gpu.step_time(4, 4, 400) == gpu.step_time(4, 32, 400)  # flat below the knot
+    pts = [CurvePoint(b, k, c, 1e3 * gpu.step_time(*CurvePoint(b, k, c, 1.0).shape()))
+           for b in (1, 2, 4, 8, 16, 32, 64) for k in (0, 3, 7) for c in (128, 512)]
+    fit = ProfileCost.fit(pts)
+    assert fit.knot == 32
+    assert max(fit.errors(pts)) < 1e-6
     two = [p for p in pts if p.batch in (1, 64)]
     assert ProfileCost.fit(two).knot == 0
     assert ProfileCost.fit(pts, knots=()).knot == 0

@@ -6,19 +6,20 @@ sequences with ``context`` cached tokens and ``1 + draft_tokens`` new tokens; th
 context is the record's ``context`` or the report's ``config.cost_context``), how to
 turn a record into a step's shape, and a non-negative least-squares fit of::
 
-    seconds = c0 + c1 * batch_tokens + c2 * context_tokens + c3 * num_seqs + c4 * pairs
-              + c5 * min(batch_tokens, knot)
+    seconds = c0 + c1 * max(batch_tokens - knot, 0) + c2 * context_tokens
+              + c3 * num_seqs + c4 * pairs + c5 * min(batch_tokens, knot)
 
 where ``pairs = batch_tokens * context_tokens / num_seqs`` (attention's query-key
-pairs), minimizing relative error. The last term lets a step's first ``knot`` tokens
-cost more each than later ones: on a CPU, matrix products over a handful of rows
-leave most of the vector units idle, so the cost per token falls as the batch grows.
-``knot`` is chosen by cross-validation (``fit``: leave one measured batch size out,
-least root-mean-square relative error over ``SMALL_BATCH_KNOTS`` and no such term),
-so a curve without that bend gets no such term. Does not know the engine or
-hardware: the profile is only as good as the shapes it was measured on (a curve
-measured at one context length cannot separate the per-sequence and per-context
-terms; measure two).
+pairs), minimizing relative error. A step's first ``knot`` tokens and the rest have
+their own cost per token (``c5`` and ``c1``): on a CPU the first cost more (matrix
+products over a handful of rows leave most of the vector units idle), on a GPU they
+cost less (decoding reads the weights whatever the batch, until the batch fills the
+compute units). ``knot`` is chosen by cross-validation (``fit``: leave one measured
+batch size out, least root-mean-square relative error over ``SMALL_BATCH_KNOTS`` and
+``0``, one cost for every token), so a curve without such a bend gets none. Does not
+know the engine or hardware: the profile is only as good as the shapes it was
+measured on (a curve measured at one context length cannot separate the
+per-sequence and per-context terms; measure two).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from typing import Any
 
 import numpy as np
 
+# ("batch_tokens": those beyond the knot; all of them without one)
 FEATURES = ("intercept", "batch_tokens", "context_tokens", "num_seqs", "pairs",
-            "small_batch_tokens")
-# candidate knots of the small-batch term (tokens in a step); ``fit`` picks one or none
+            "first_batch_tokens")
+# candidate knots (tokens in a step); ``fit`` picks one or none
 SMALL_BATCH_KNOTS = (2, 4, 8, 16, 32, 64, 128)
 
 
@@ -65,8 +67,9 @@ class CurvePoint:
 def features(num_seqs: int, batch_tokens: int, context_tokens: int,
              knot: int = 0) -> list[float]:
     """The model's features of a step (``FEATURES``; the last is 0 without a knot)."""
-    return [1.0, float(batch_tokens), float(context_tokens), float(num_seqs),
-            batch_tokens * context_tokens / max(num_seqs, 1), float(min(batch_tokens, knot))]
+    first = min(batch_tokens, knot)
+    return [1.0, float(batch_tokens - first), float(context_tokens), float(num_seqs),
+            batch_tokens * context_tokens / max(num_seqs, 1), float(first)]
 
 
 def load_cost_curve(path: str | Path, context: int | None = None) -> list[CurvePoint]:
@@ -97,8 +100,7 @@ def parse_cost_curve(report: dict[str, Any], context: int | None = None) -> list
 @dataclass(frozen=True)
 class ProfileCost:
     """The fitted model (module docstring); ``coefficients`` in seconds per feature
-    (``FEATURES``; five of them mean no small-batch term), ``knot`` the small-batch
-    term's (0: none)."""
+    (``FEATURES``; five of them mean no knot), ``knot`` in tokens (0: none)."""
 
     coefficients: tuple[float, ...]
     kv_tokens: int | None = None
@@ -130,7 +132,7 @@ class ProfileCost:
     @classmethod
     def fit(cls, points: Sequence[CurvePoint], kv_tokens: int | None = None,
             knots: Sequence[int] = SMALL_BATCH_KNOTS) -> ProfileCost:
-        """Fits the coefficients to ``points`` (at least one), with the small-batch knot
+        """Fits the coefficients to ``points`` (at least one), with the knot
         of ``knots`` (or none) whose leave-one-batch-size-out predictions have the least
         root-mean-square relative error; ties keep the earlier candidate, none first.
         With fewer than three batch sizes there is nothing to validate on: no knot."""
