@@ -10,14 +10,15 @@ context term of the fit is identified, and writes it as JSON::
 
     python benchmarks/sim/measure_cost_curve.py --json benchmarks/sim/data/cpu_cost_curve.json
 
-The checked-in ``data/cpu_cost_curve.json`` was measured once with this script
-(``--statistic min --repeats 9 --passes 5``); the tests fit the profile on some of its
-shapes and check the predictions on the others. Each record keeps its passes' figures
-(``step_ms_passes``): that run showed why passes combine by their median. The machine's
-state shifted between passes: in one pass the 512-token half ran 5% faster than the
-other passes on the median shape and over 7% faster on 15 of its 35 shapes, while
-another pass ran 10% slower on the 128-token half. Taking the min of passes had mixed
-the fast pass's figures for some shapes with normal ones for their neighbours.
+The checked-in ``data/cpu_cost_curve.json`` was measured with this script's defaults
+(9 passes of 9 repeats: about 4 minutes); the tests fit the profile on some of its
+shapes and check the predictions on the others. Within a pass a shape's figure is the
+fastest of its repeats; across passes it is their median, because a shared machine
+also shifts whole passes (one earlier measurement's 512-token half ran 5% faster in
+one pass than in the others, and over 7% faster on 15 of its 35 shapes; the fastest
+pass per shape mixed such a pass's figures with normal ones), and on a busy machine
+five passes still left one shape's passes 25% apart. Each record keeps its passes'
+figures (``step_ms_passes``).
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--drafts", type=int, nargs="+", default=[0, 2, 4, 8, 16])
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
-    p.add_argument("--repeats", type=int, default=7, help="repeats per pass")
-    p.add_argument("--passes", type=int, default=3,
+    p.add_argument("--repeats", type=int, default=9, help="repeats per pass")
+    p.add_argument("--passes", type=int, default=9,
                    help="passes over the whole grid; a shape's figure is the --pass-statistic "
                         "of its passes' figures (the machine is shared: one pass alone is noisy)")
-    p.add_argument("--statistic", choices=sorted(COST_STATISTICS), default="median",
+    p.add_argument("--statistic", choices=sorted(COST_STATISTICS), default="min",
                    help="how a pass's repeats of a shape combine (min: other work on a shared "
                         "machine only slows a repeat down)")
     p.add_argument("--pass-statistic", choices=sorted(COST_STATISTICS), default="median",
