@@ -8,12 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
 
 from war.cli.main import main
-from war.data import gpt2_tokenizer_json
-from war.engine.loader import init_random, save_model
-from war.engine.model_config import ModelConfig
 from war.rollout.run import (
     RunConfig,
     load_run_config,
@@ -23,21 +19,6 @@ from war.rollout.run import (
     task_pool,
 )
 from war.rollout.trajectory import Trajectory, read_jsonl, read_parquet
-
-
-@pytest.fixture(scope="module")
-def random_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("policy")
-    tok = Tokenizer.from_str(gpt2_tokenizer_json())
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tok.save(str(folder / "tokenizer.json"))
-    cfg = ModelConfig.from_dict({
-        "model_type": "llama", "vocab_size": tok.get_vocab_size(), "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "tie_word_embeddings": True})
-    save_model(init_random(cfg, seed=0), folder)
-    return folder
 
 
 def test_config_files_and_errors(tmp_path: Path) -> None:

@@ -8,16 +8,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
-from tokenizers import Tokenizer
 
 from war.backends.http import WarHttpBackend
-from war.data import gpt2_tokenizer_json
-from war.engine.loader import init_random, save_model
-from war.engine.model_config import ModelConfig
 from war.rollout.agent import AgentConfig, PolicyIO
 from war.rollout.driver import RolloutConfig, run_step_async
 from war.rollout.envs import sample_tasks
@@ -30,19 +27,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _policy_folder(folder: Path) -> Path:
-    tok = Tokenizer.from_str(gpt2_tokenizer_json())
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tok.save(str(folder / "tokenizer.json"))
-    cfg = ModelConfig.from_dict({
-        "model_type": "llama", "vocab_size": tok.get_vocab_size(), "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "tie_word_embeddings": True})
-    save_model(init_random(cfg, seed=3), folder)
-    return folder
 
 
 def _serve(folder: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -94,8 +78,9 @@ async def _step(urls: list[str], io: PolicyIO, rl_step: int,
 
 
 @pytest.mark.slow
-def test_killing_a_replica_mid_step_loses_nothing(tmp_path: Path) -> None:
-    folder = _policy_folder(tmp_path)
+def test_killing_a_replica_mid_step_loses_nothing(
+        tmp_path: Path, make_random_policy: Callable[[Path, int], Path]) -> None:
+    folder = make_random_policy(tmp_path, 3)
     io = PolicyIO.from_folder(folder)
     servers = [_serve(folder) for _ in range(2)]
     procs = [p for p, _ in servers]
