@@ -15,7 +15,7 @@ their own cost per token (``c5`` and ``c1``): on a CPU the first cost more (matr
 products over a handful of rows leave most of the vector units idle), on a GPU they
 cost less (decoding reads the weights whatever the batch, until the batch fills the
 compute units). ``knot`` is chosen by cross-validation (``fit``: leave one measured
-batch size out, least root-mean-square relative error over ``SMALL_BATCH_KNOTS`` and
+batch size out, least root-mean-square relative error over ``BATCH_KNOTS`` and
 ``0``, one cost for every token), so a curve without such a bend gets none. Does not
 know the engine or hardware: the profile is only as good as the shapes it was
 measured on (a curve measured at one context length cannot separate the
@@ -38,7 +38,7 @@ import numpy as np
 FEATURES = ("intercept", "batch_tokens", "context_tokens", "num_seqs", "pairs",
             "first_batch_tokens")
 # candidate knots (tokens in a step); ``fit`` picks one or none
-SMALL_BATCH_KNOTS = (2, 4, 8, 16, 32, 64, 128)
+BATCH_KNOTS = (2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class ProfileCost:
 
     @classmethod
     def fit(cls, points: Sequence[CurvePoint], kv_tokens: int | None = None,
-            knots: Sequence[int] = SMALL_BATCH_KNOTS) -> ProfileCost:
+            knots: Sequence[int] = BATCH_KNOTS) -> ProfileCost:
         """Fits the coefficients to ``points`` (at least one), with the knot
         of ``knots`` (or none) whose leave-one-batch-size-out predictions have the least
         root-mean-square relative error; ties keep the earlier candidate, none first.
