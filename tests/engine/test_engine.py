@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import tiny_model
+from engine_helpers import tiny_model
 
 from war.engine.config import EngineConfig
 from war.engine.engine import Engine
