@@ -8,8 +8,10 @@ from sim_helpers import ClockGuard, FixedPolicy, trajectory, workload
 from war.router.policies import make_policy
 from war.sim.costs import CostModel, LinearCost
 from war.sim.replica import ReplicaConfig
-from war.sim.simulator import SimConfig, Simulator
+from war.sim.sequence import SimSeq
+from war.sim.simulator import SimConfig, Simulator, fitting_turns
 from war.sim.workload import SimTrajectory, SimTurn, Workload
+from war.types import GenRequest, SamplingParams
 
 A, B, C = 0.01, 0.001, 0.0  # intercept, per batch token, per context token
 
@@ -136,9 +138,24 @@ def test_kv_pressure_preempts_and_still_completes() -> None:
     assert r.kv.private_blocks == 0 and r.kv.locked_blocks == 0
 
 
-def test_a_request_larger_than_the_kv_is_refused() -> None:
+def test_turns_beyond_the_kv_end_the_trajectory_and_are_counted() -> None:
+    """160 KV tokens: a trajectory ends before the turn that would not fit (its whole
+    context plus the response), one whose first turn does not fit is left out, and the
+    others run whole; the summary counts both."""
+    whole = trajectory("whole", 40, [30, 30], base=0)  # 40+30, +5+30 = 105 tokens
+    cut = trajectory("cut", 50, [40, 40, 40], base=1000)  # 90, 135, then 180 > 160
+    out = trajectory("out", 150, [20], base=2000)  # 170 > 160 at once
+    assert [fitting_turns(t, 160) for t in (whole, cut, out)] == [2, 2, 0]
+    assert fitting_turns(cut, 180) == 3 and fitting_turns(cut, 179) == 2
+    sim = run(workload(whole, cut, out), num_kv_blocks=10, block_size=16)
+    summary = sim.result.summary()
+    assert summary["truncated_trajectories"] == 1 and summary["dropped_trajectories"] == 1
+    assert summary["trajectories"] == 2
+    assert sim.result.steps[0].generated == 30 + 30 + 40 + 40
+    # the replica itself still refuses a request larger than its KV
     with pytest.raises(ValueError, match="exceed"):
-        run(workload(trajectory("t", 500, [100])), num_kv_blocks=10, block_size=16)
+        sim.replicas[0].submit(SimSeq(GenRequest("big", out.turns[0].prompt, SamplingParams()),
+                                      out, 0, out.turns[0].prompt, 0.0, 1))
 
 
 def test_rl_steps_run_one_after_another() -> None:

@@ -225,7 +225,9 @@ def run_experiment(exp: Experiment, trace_paths: Sequence[Path] | None = None,
 
 
 def _line(row: dict[str, Any]) -> str:
+    cut, out = row.get("truncated_trajectories", 0), row.get("dropped_trajectories", 0)
+    kv = f", beyond the KV: {cut} cut short, {out} left out" if cut or out else ""
     return (f"{row['config']:>14} load {row['load']:6.1f}: {row['throughput']:9.1f} tok/s, "
             f"makespan {row['makespan_s']:7.1f} s (x{row['lower_bound_ratio']:.2f} bound), "
-            f"hit {row['prefix_hit_rate']:.2f}, {row['tokens_per_step']:.2f} tok/step "
+            f"hit {row['prefix_hit_rate']:.2f}, {row['tokens_per_step']:.2f} tok/step{kv} "
             f"[{row['wall_s']:.1f} s]")

@@ -172,6 +172,8 @@ class SimResult:
     preemptions: int = 0
     replica_steps: int = 0
     timeline: Timeline | None = None
+    truncated: int = 0  # trajectories cut before a turn that the KV cannot hold
+    dropped: int = 0  # trajectories whose first turn the KV cannot hold: left out
 
     def summary(self) -> dict[str, Any]:
         s = self.steps
@@ -192,6 +194,7 @@ class SimResult:
             "migrations": self.migrations, "policy_migrations": self.policy_migrations,
             "preemptions": self.preemptions, "generated_tokens": gen,
             "trajectories": sum(m.trajectories for m in s), "replica_steps": self.replica_steps,
+            "truncated_trajectories": self.truncated, "dropped_trajectories": self.dropped,
             "steps": [{"makespan_s": m.makespan, "lower_bound_s": m.lower_bound,
                        "work_s": m.work_s, "longest_s": m.longest_s,
                        "generated": m.generated} for m in s],

@@ -7,14 +7,20 @@ views: requests and tokens in flight as the router counts them, KV use and queue
 length from load reports refreshed every ``load_report_interval_s``), shared draft
 history (a completed response goes to the other replicas' drafters), and the
 synchronous RL loop (every trajectory of a step starts at once; the next step starts
-when the last one ends, plus ``train_s``). Does not know the wall clock: policies and
-replicas only ever see ``now``; a run is deterministic given its inputs.
+when the last one ends, plus ``train_s``), and the context limit: a turn whose context
+and response would exceed a replica's KV cannot be served, so the trajectory ends
+before it (``fitting_turns``), as an agent stops when its context is full; a
+trajectory whose first turn does not fit is left out. Both are counted
+(``SimResult.truncated`` and ``dropped``), never silently. Does not know the wall
+clock: policies and replicas only ever see ``now``; a run is deterministic given its
+inputs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,13 +135,15 @@ class Simulator:
 
     def run(self) -> SimResult:
         """Runs every RL step of the workload; returns the metrics."""
-        for s, trajs in enumerate(self.workload.steps):
+        capacity = min(r.kv.num_blocks * r.kv.block_size for r in self.replicas)
+        for s, step_trajs in enumerate(self.workload.steps):
             if s:
                 self._settle()
                 self.now += self.config.train_s
             for r in self.replicas:
                 if r.drafter is not None:
                     r.drafter.observe_rl_step(s)
+            trajs = self._fit(step_trajs, capacity)
             m = StepMetrics(s, self.now, trajectories=len(trajs))
             states = [_Traj(t) for t in trajs]
             for st in states:
@@ -146,6 +154,22 @@ class Simulator:
         self.result.preemptions = sum(r.stats.preemptions for r in self.replicas)
         self.result.replica_steps = sum(r.stats.steps for r in self.replicas)
         return self.result
+
+    def _fit(self, trajs: Sequence[SimTrajectory], capacity: int) -> list[SimTrajectory]:
+        """The step's trajectories cut to the turns that fit ``capacity`` tokens of KV
+        (counted in ``result.truncated``); those without a fitting turn are left out
+        (``result.dropped``)."""
+        kept = []
+        for t in trajs:
+            n = fitting_turns(t, capacity)
+            if n == 0:
+                self.result.dropped += 1
+                continue
+            if n < len(t.turns):
+                self.result.truncated += 1
+                t = dataclasses.replace(t, turns=t.turns[:n])
+            kept.append(t)
+        return kept
 
     def _settle(self) -> None:
         """Runs what is left after a step's last trajectory: only wake-ups of replicas
@@ -286,3 +310,15 @@ class Simulator:
                              rc.max_num_seqs, chunk, self.config.num_replicas)
         m.longest_s = max((sequential_time(st.records, self.cost, chunk) for st in states),
                           default=0.0)
+
+
+def fitting_turns(traj: SimTrajectory, capacity: int) -> int:
+    """How many of ``traj``'s first turns fit a replica of ``capacity`` KV tokens: each
+    turn's whole context (every earlier prompt and response, and its own prompt) plus
+    its response must fit."""
+    context = 0
+    for k, turn in enumerate(traj.turns):
+        context += len(turn.prompt) + len(turn.response)
+        if context > capacity:
+            return k
+    return len(traj.turns)
