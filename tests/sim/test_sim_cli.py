@@ -54,3 +54,30 @@ def test_sim_reports_bad_files(tmp_path: Path, capsys: pytest.CaptureFixture[str
     cfg.write_text("name: x\nloads: [1]\nconfigs: {a: {policy: war}}\nbogus: 1\n")
     assert main(["sim", "--config", str(cfg), "--json", str(tmp_path / "o.json")]) == 1
     assert "unknown section" in capsys.readouterr().err
+
+
+def test_sim_on_small_traces_merges_loads_and_cuts_long_trajectories(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Six tasks of four trials: loads of 12 and 24 per replica (two replicas) both ask
+    for more than every task in one step, so they run once, as load 12; with 6,000 KV
+    tokens a replica, trajectories longer than that end early and are counted; the
+    plot of the largest load is made from the load it merged into."""
+    cfg = tmp_path / "small.yaml"
+    cfg.write_text(EXPERIMENT.replace("loads: [2]", "loads: [2, 12, 24]")
+                   .replace("kv_tokens: 200000", "kv_tokens: 6000"))
+    out = tmp_path / "out.json"
+    traces = str(data.resource(data.SAMPLE_TRACES))
+    assert main(["sim", "--config", str(cfg), "--traces", traces, "--json", str(out),
+                 "--configs", "rr_nospec", "war", "--plots", str(tmp_path / "plots")]) == 0
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert sorted(r["requested_load"] for r in rows) == [2.0, 2.0, 12.0, 12.0]
+    assert report["same_loads"] == [{"load": 24.0, "same_as": 12.0}]
+    assert {r["load"] for r in rows if r["requested_load"] == 12.0} == {6 * 4 / 2}
+    assert all(r["truncated_trajectories"] > 0 for r in rows if r["requested_load"] == 12.0)
+    assert all(r["dropped_trajectories"] == 0 for r in rows)
+    assert {p.name for p in (tmp_path / "plots").iterdir()} >= {
+        "throughput_vs_load.png", "makespan_cdf.png", "timeline_war.png"}
+    err = capsys.readouterr().err
+    assert "load 24: the traces give the same workload as load 12" in err
+    assert "beyond the KV:" in err

@@ -131,15 +131,40 @@ def build_workload(exp: Experiment, load: float, traces: TraceSet | None) -> Wor
     latency = LatencyModel(**w.pop("latency", {}), seed=seed)
     if w:
         raise ValueError(f"unknown workload settings {sorted(w)}")
+    per_step, rl_steps = trace_shape(traces, load, replicas, rl_steps, group_size, copies)
+    return build_trace_steps(traces, per_step, rl_steps, group_size, latency, seed, copies)
+
+
+def trace_shape(traces: TraceSet, load: float, replicas: int, rl_steps: int,
+                group_size: int | None, copies: bool) -> tuple[int, int]:
+    """(tasks per step, RL steps) of a trace workload at ``load`` trajectories per
+    replica. Without ``copies`` no trajectory is replayed twice: fewer steps when the
+    tasks run out, and at most every task in one step (a load above that is the
+    traces' largest)."""
     tasks = {t.task_id: 0 for t in traces.trajectories if t.turns}
     for t in traces.trajectories:
         if t.turns:
             tasks[t.task_id] += 1
+    if not tasks:
+        raise ValueError("no trajectory with turns in the traces")
     per_group = group_size or max(tasks.values())
     per_step = max(1, round(load * replicas / per_group))
     if not copies:
+        per_step = min(per_step, len(tasks))
         rl_steps = max(1, min(rl_steps, len(tasks) // per_step))
-    return build_trace_steps(traces, per_step, rl_steps, group_size, latency, seed, copies)
+    return per_step, rl_steps
+
+
+def workload_key(exp: Experiment, load: float, traces: TraceSet | None) -> Any:
+    """What decides the workload at ``load``: loads with equal keys run the same
+    trajectories (a trace workload's tasks per step and steps; the load itself
+    otherwise)."""
+    w = exp.workload
+    if w.get("kind", "traces") != "traces" or traces is None:
+        return ("load", load)
+    return trace_shape(traces, load, int(exp.sim.get("num_replicas", 4)),
+                       int(w.get("rl_steps", 1)), w.get("group_size"),
+                       bool(w.get("copies", False)))
 
 
 def sim_config(exp: Experiment, config: Mapping[str, Any]) -> SimConfig:
@@ -185,7 +210,7 @@ def _run_one(job: tuple[str, float]) -> dict[str, Any]:
     if exp.drafts == "cached":
         row["acceptance_table"] = {**_STATE["table"].summary(), "record_s": _STATE["record_s"]}
     row["rl_steps"] = len(workload.steps)
-    if load == (exp.plot_load if exp.plot_load is not None else max(exp.loads)):
+    if load == _STATE.get("plot_load"):
         row["finish_times"] = [t for m in result.steps for t in m.finish_times]
         if result.timeline is not None:
             row["timeline"] = result.timeline.series()
@@ -209,7 +234,23 @@ def run_experiment(exp: Experiment, trace_paths: Sequence[Path] | None = None,
         emit(f"traces: {len(_STATE['traces'].trajectories)} trajectories "
              f"({time.perf_counter() - t0:.1f} s)")
     names = list(configs) if configs else list(exp.configs)
-    jobs = [(n, ld) for ld in (loads or exp.loads) for n in names]
+    # Loads that give the same workload (the traces hold no more) run once, as the
+    # smallest of them.
+    same_as: dict[float, float] = {}
+    first: dict[Any, float] = {}
+    run_loads = []
+    for ld in sorted(loads or exp.loads):
+        key = workload_key(exp, ld, _STATE.get("traces"))
+        if key in first:
+            same_as[ld] = first[key]
+            emit(f"load {ld:g}: the traces give the same workload as load {first[key]:g} "
+                 "(no more trajectories); not run again")
+            continue
+        first[key] = ld
+        run_loads.append(ld)
+    plot = exp.plot_load if exp.plot_load is not None else max(loads or exp.loads)
+    _STATE["plot_load"] = same_as.get(plot, plot)
+    jobs = [(n, ld) for ld in run_loads for n in names]
     rows: list[dict[str, Any]] = []
     if workers > 1:
         ctx = multiprocessing.get_context("fork")
@@ -221,7 +262,11 @@ def run_experiment(exp: Experiment, trace_paths: Sequence[Path] | None = None,
         for job in jobs:
             rows.append(_run_one(job))
             emit(_line(rows[-1]))
-    return {"name": exp.name, "results": rows, "wall_s": time.perf_counter() - t0}
+    out: dict[str, Any] = {"name": exp.name, "results": rows,
+                           "wall_s": time.perf_counter() - t0}
+    if same_as:
+        out["same_loads"] = [{"load": ld, "same_as": rep} for ld, rep in same_as.items()]
+    return out
 
 
 def _line(row: dict[str, Any]) -> str:
