@@ -131,16 +131,20 @@ def build_workload(exp: Experiment, load: float, traces: TraceSet | None) -> Wor
     latency = LatencyModel(**w.pop("latency", {}), seed=seed)
     if w:
         raise ValueError(f"unknown workload settings {sorted(w)}")
-    per_step, rl_steps = trace_shape(traces, load, replicas, rl_steps, group_size, copies)
+    per_step, rl_steps = trace_shape(exp, load, traces)
     return build_trace_steps(traces, per_step, rl_steps, group_size, latency, seed, copies)
 
 
-def trace_shape(traces: TraceSet, load: float, replicas: int, rl_steps: int,
-                group_size: int | None, copies: bool) -> tuple[int, int]:
-    """(tasks per step, RL steps) of a trace workload at ``load`` trajectories per
-    replica. Without ``copies`` no trajectory is replayed twice: fewer steps when the
-    tasks run out, and at most every task in one step (a load above that is the
+def trace_shape(exp: Experiment, load: float, traces: TraceSet) -> tuple[int, int]:
+    """(tasks per step, RL steps) of ``exp``'s trace workload at ``load`` trajectories
+    per replica. Without ``copies`` no trajectory is replayed twice: fewer steps when
+    the tasks run out, and at most every task in one step (a load above that is the
     traces' largest)."""
+    w = exp.workload
+    replicas = int(exp.sim.get("num_replicas", 4))
+    rl_steps = int(w.get("rl_steps", 1))
+    group_size = w.get("group_size")
+    copies = bool(w.get("copies", False))
     tasks = {t.task_id: 0 for t in traces.trajectories if t.turns}
     for t in traces.trajectories:
         if t.turns:
@@ -159,12 +163,9 @@ def workload_key(exp: Experiment, load: float, traces: TraceSet | None) -> Any:
     """What decides the workload at ``load``: loads with equal keys run the same
     trajectories (a trace workload's tasks per step and steps; the load itself
     otherwise)."""
-    w = exp.workload
-    if w.get("kind", "traces") != "traces" or traces is None:
+    if exp.workload.get("kind", "traces") != "traces" or traces is None:
         return ("load", load)
-    return trace_shape(traces, load, int(exp.sim.get("num_replicas", 4)),
-                       int(w.get("rl_steps", 1)), w.get("group_size"),
-                       bool(w.get("copies", False)))
+    return trace_shape(exp, load, traces)
 
 
 def sim_config(exp: Experiment, config: Mapping[str, Any]) -> SimConfig:

@@ -57,6 +57,11 @@ class PrefixKV:
     # ------------------------------------------------------------------ queries
 
     @property
+    def capacity_tokens(self) -> int:
+        """Tokens the cache holds when full."""
+        return self.num_blocks * self.block_size
+
+    @property
     def used_blocks(self) -> int:
         return self.cached_blocks + self.private_blocks
 

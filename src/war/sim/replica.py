@@ -67,7 +67,7 @@ class SimReplica:
         self._step_no = 0
 
     def submit(self, seq: SimSeq) -> None:
-        if seq.nprompt + seq.rlen > self.kv.num_blocks * self.kv.block_size:
+        if seq.nprompt + seq.rlen > self.kv.capacity_tokens:
             raise ValueError(f"{seq.request.request_id}: {seq.nprompt} + {seq.rlen} tokens "
                              f"exceed replica {self.name}'s KV")
         heapq.heappush(self.waiting, (seq.key, seq))

@@ -135,7 +135,7 @@ class Simulator:
 
     def run(self) -> SimResult:
         """Runs every RL step of the workload; returns the metrics."""
-        capacity = min(r.kv.num_blocks * r.kv.block_size for r in self.replicas)
+        capacity = min(r.kv.capacity_tokens for r in self.replicas)
         for s, step_trajs in enumerate(self.workload.steps):
             if s:
                 self._settle()
@@ -211,7 +211,7 @@ class Simulator:
         for i, r in enumerate(self.replicas):
             bs = r.kv.block_size
             self._reports[i] = ((r.kv.num_blocks - r.kv_used_blocks) * bs,
-                                r.kv.num_blocks * bs, len(r.waiting))
+                                r.kv.capacity_tokens, len(r.waiting))
             self._views[i] = self._view(i)
 
     def _arrive(self, st: _Traj) -> None:
@@ -306,7 +306,7 @@ class Simulator:
         r0 = self.replicas[0]
         chunk = rc.max_num_batched_tokens
         prefill = min_prefill_tokens([st.traj for st in states])
-        m.work_s = work_time(m, prefill, self.cost, r0.kv.num_blocks * r0.kv.block_size,
+        m.work_s = work_time(m, prefill, self.cost, r0.kv.capacity_tokens,
                              rc.max_num_seqs, chunk, self.config.num_replicas)
         m.longest_s = max((sequential_time(st.records, self.cost, chunk) for st in states),
                           default=0.0)
