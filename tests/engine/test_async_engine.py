@@ -90,6 +90,12 @@ class FakeEngine:
         self.polls += 1
         return bool(self._left)
 
+    def finish_trajectory(self, trajectory_id: str) -> bool:
+        return False
+
+    def wait_s(self) -> float | None:
+        return None
+
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(len(self._left), 0, 0, 0, 10, 16, 0.0, self.weight_version)
 

@@ -284,6 +284,12 @@ class _FailingEngine:
     def has_unfinished(self) -> bool:
         return bool(self._ids)
 
+    def finish_trajectory(self, trajectory_id: str) -> bool:
+        return False
+
+    def wait_s(self) -> float | None:
+        return None
+
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(len(self._ids), 0, 0, 0, 1, 16)
 

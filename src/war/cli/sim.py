@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TypeAlias
@@ -28,8 +29,8 @@ def add_sim_command(commands: Subparsers) -> None:
                    help="trace files (default: the experiment's)")
     p.add_argument("--json", type=Path, required=True, metavar="OUT", help="write the report")
     p.add_argument("--plots", type=Path, metavar="DIR", help="write plots (PNG) here")
-    p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="worker processes (default: 1)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="worker processes (default: one per CPU this process may use)")
     p.add_argument("--loads", type=float, nargs="+", metavar="L",
                    help="only these loads (trajectories per replica)")
     p.add_argument("--configs", nargs="+", metavar="NAME", help="only these configurations")
@@ -41,6 +42,9 @@ def run_sim(args: argparse.Namespace) -> int:
     from war.sim.plots import write_plots
     from war.sim.report import summary_lines, targets
 
+    if args.workers is None:
+        args.workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     exp = Experiment.load(args.config)

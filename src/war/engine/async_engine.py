@@ -71,6 +71,10 @@ class EngineLike(Protocol):
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | str | Path) -> int: ...
 
+    def finish_trajectory(self, trajectory_id: str) -> bool: ...
+
+    def wait_s(self) -> float | None: ...
+
 
 class EngineClosedError(RuntimeError):
     """The ``AsyncEngine`` is closed (or closed while the request was in flight)."""
@@ -249,6 +253,10 @@ class AsyncEngine:
         """Advances the draft history's window of RL steps."""
         await self.call(lambda engine: engine.observe_rl_step(rl_step))
 
+    async def finish_trajectory(self, trajectory_id: str) -> bool:
+        """The trajectory has ended: the engine releases the KV held for it."""
+        return await self.call(lambda engine: engine.finish_trajectory(trajectory_id))
+
     async def load_weights(self, weights: Mapping[str, torch.Tensor] | str | Path) -> int:
         """Loads new weights between steps; returns the new weight version."""
         return await self.call(lambda engine: engine.load_weights(weights))
@@ -289,11 +297,18 @@ class AsyncEngine:
 
     def _run(self) -> None:
         stalled = False  # a step failed and left work behind: wait for a command
+        held: float | None = None  # the last step ran nothing: held KV (seconds left)
         while True:
             busy = self._has_work() and not stalled
             with self._cond:
-                while not self._commands and not self._closing and not busy:
-                    self._cond.wait()
+                if busy and held is not None:
+                    # Held contexts fill the KV: wait for a command (a trajectory's
+                    # next turn) or the first hold's expiry, then step again.
+                    if not self._commands and not self._closing:
+                        self._cond.wait(timeout=held)
+                else:
+                    while not self._commands and not self._closing and not busy:
+                        self._cond.wait()
                 commands = list(self._commands)
                 self._commands.clear()
                 closing = self._closing
@@ -309,8 +324,10 @@ class AsyncEngine:
             if commands:
                 self._snapshot()
                 self._flush()
+            held = None
             if not stalled and self._has_work():
                 stalled = self._step()
+                held = self._wait_s()
                 self._snapshot()
                 self._flush()
 
@@ -330,6 +347,13 @@ class AsyncEngine:
         except Exception:
             log.exception("engine.has_unfinished() failed")
             return False
+
+    def _wait_s(self) -> float | None:
+        try:
+            return self._engine.wait_s()
+        except Exception:
+            log.exception("engine.wait_s() failed")
+            return None
 
     def _execute(self, command: _Command) -> None:
         try:

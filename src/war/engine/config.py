@@ -35,6 +35,12 @@ class EngineConfig:
       sequence's draft.
     * ``max_idle_trajectories``: trajectories whose draft trees are kept between
       turns (least recently used ones are finished beyond this).
+    * ``kv_hold_s``: how long a finished turn's KV stays held for its trajectory's
+      next turn (the agent's tool call in between), so other requests cannot evict
+      it; 0: not held (``scheduler.py``). ``finish_trajectory`` ends a hold early.
+    * ``admit_whole_prompt``: admit a waiting request only when its whole prefill
+      fits the free KV, instead of its first chunk (long prompts then never preempt
+      running sequences chunk by chunk).
     * ``dtype``, ``device``: of weights, activations and KV.
     * ``seed``: of the engine's random stream (requests without their own seed).
     """
@@ -49,6 +55,8 @@ class EngineConfig:
     spec_mode: str = "auto"
     spec: SpecConfig = field(default_factory=SpecConfig)
     max_idle_trajectories: int = 4096
+    kv_hold_s: float = 0.0
+    admit_whole_prompt: bool = False
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
@@ -64,6 +72,9 @@ class EngineConfig:
             or self.num_kv_blocks < 1
         ):
             raise ValueError(f"num_kv_blocks must be an int >= 1, got {self.num_kv_blocks!r}")
+        if isinstance(self.kv_hold_s, bool) or not isinstance(self.kv_hold_s, (int, float)) \
+                or not 0 <= self.kv_hold_s < float("inf"):
+            raise ValueError(f"kv_hold_s must be a number >= 0, got {self.kv_hold_s!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.spec_mode not in SPEC_MODES:

@@ -90,7 +90,8 @@ class Engine:
             mc, cfg.kv_cache_bytes, cfg.block_size, self.dtype)
         self.kv = KVCache.for_model(mc, num_blocks, cfg.block_size, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.kv_hold_s, cfg.admit_whole_prompt)
         self.speculator = SuffixSpeculator(cfg.spec)
         self.drafts = TrajectoryDrafts(self.speculator, cfg.max_idle_trajectories)
         # Prefill tokens count as useful work: a step that carries a large prefill
@@ -190,7 +191,24 @@ class Engine:
         while wanted - done.keys():
             for res in self.step():
                 done[res.request_id] = res
+            if self.scheduler.blocked:
+                # Nothing can send the held trajectories' next turns during this call.
+                self.scheduler.break_hold()
         return [done[r.request_id] for r in reqs]
+
+    def finish_trajectory(self, trajectory_id: str) -> bool:
+        """The trajectory has ended: releases the KV held for its next turn (see
+        ``EngineConfig.kv_hold_s``); False if none was held."""
+        return self.scheduler.release_hold(trajectory_id)
+
+    def wait_s(self) -> float | None:
+        """When the last step ran nothing because held contexts fill the KV: seconds
+        until the first hold expires (a new request may end the wait sooner); else
+        None."""
+        if not self.scheduler.blocked:
+            return None
+        expiry = self.scheduler.hold_expiry
+        return None if expiry is None else max(expiry - self._clock(), 0.0)
 
     # ------------------------------------------------------------ history and weights
 
@@ -234,7 +252,7 @@ class Engine:
     def step(self) -> list[GenResult]:
         """Runs one forward pass over the scheduled batch; returns finished requests."""
         t0 = self._clock()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(t0)
         self.stats.num_preemptions += len(sched.preempted)
         if sched.is_empty:
             return []
@@ -425,7 +443,7 @@ class Engine:
         return torch.from_numpy(slots).to(self.device)
 
     def _finish(self, seq: Sequence, commit: bool) -> GenResult:
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, self._clock(), hold=commit)
         self.drafts.end(seq.spec_id, seq.request.trajectory_id, commit=commit)
         del self._seqs[seq.request_id]
         if seq.finish_reason != "abort":

@@ -11,6 +11,21 @@ sequences), under ``max_num_batched_tokens``. When KV blocks run out, the
 lowest-priority running sequence is preempted: its blocks are released (its
 full blocks stay in the prefix cache, so recomputing it is often cheap) and it
 goes back to the queue with its tokens and random stream; nothing is dropped.
+
+Agentic trajectories (``kv_hold_s`` > 0): when a turn of a trajectory finishes,
+its context's cached blocks stay held for the trajectory's next turn (which
+comes back after a tool call) for up to ``kv_hold_s`` seconds, so that other
+requests cannot evict them meanwhile. The next turn takes them over; a waiting
+turn whose context is held goes ahead of a head of the queue that does not fit.
+A hold ends when taken over, when it expires, when the trajectory is finished
+(``release_hold``), or when a running sequence needs its blocks (holds give
+way, soonest expiring first, before anyone is preempted). When held contexts
+leave too little room for anything waiting, nothing runs until one is taken
+over or expires (``hold_expiry``): recomputing a long context costs more than
+waiting out a tool call. With ``admit_whole_prompt`` a waiting sequence is
+admitted only when the blocks of its whole prefill are available beyond what
+admitted prefills still need, so a long prompt never preempts running sequences
+chunk by chunk. Time is the ``now`` passed in.
 """
 
 from __future__ import annotations
@@ -42,14 +57,23 @@ class SchedulerOutput:
 class Scheduler:
     """Plans steps over a block manager. Mutates sequences' block tables."""
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 kv_hold_s: float = 0.0, admit_whole_prompt: bool = False):
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_hold_s = kv_hold_s if blocks.enable_prefix_cache else 0.0
+        self.admit_whole_prompt = admit_whole_prompt
         self._waiting: list[tuple[tuple[float, int], Sequence]] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # trajectory id -> (blocks held for its next turn, expiry time)
+        self._holds: dict[str, tuple[list[int], float]] = {}
+        self.num_holds = 0  # turns whose context was held
+        self.num_holds_used = 0  # next turns that took their held context over
+        self.num_holds_broken = 0  # holds released early to make room
+        self.blocked = False  # the last plan ran nothing because held contexts fill the KV
 
     # ------------------------------------------------------------ queue
 
@@ -74,9 +98,10 @@ class Scheduler:
 
     # ------------------------------------------------------------ planning
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self.expire_holds(now)
         self.running.sort(key=Sequence.sort_key)
         scheduled: set[int] = set()
         # Running sequences in priority order: decodes take one token, prefills a chunk.
@@ -86,7 +111,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = 1 if seq.is_decoding else min(seq.num_pending, budget)
-            if not self._ensure_slots(seq, seq.num_computed + n, scheduled, out):
+            if not self._ensure_slots(seq, seq.num_computed + n, scheduled, out, now):
                 continue  # it was preempted itself
             scheduled.add(id(seq))
             budget -= n
@@ -97,17 +122,22 @@ class Scheduler:
         # Then admit waiting sequences while the budget and the blocks allow.
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][1]
-            n = self._admit(seq, budget)
-            if n == 0:
-                break
-            heapq.heappop(self._waiting)
+            n = self._admit(seq, budget, now)
+            if n:
+                heapq.heappop(self._waiting)
+            else:
+                got = self._admit_held(budget, now) if self._holds else None
+                if got is None:
+                    break
+                seq, n = got
             self.running.append(seq)
             scheduled.add(id(seq))
             budget -= n
             out.prefills.append((seq, n))
+        self.blocked = out.is_empty and bool(self._waiting) and bool(self._holds)
         return out
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
+    def _admit(self, seq: Sequence, budget: int, now: float) -> int:
         """Gives a waiting sequence its cached prefix and blocks for its first
         chunk; returns the chunk length (0: not now, nothing changed)."""
         first = seq.num_preemptions == 0 and seq.num_output == 0
@@ -115,9 +145,18 @@ class Scheduler:
         self.blocks.acquire(match.block_ids)
         n = min(seq.num_tokens - match.num_tokens, budget)
         need = self._blocks_for(match.num_tokens + n) - len(match.block_ids)
+        if self.admit_whole_prompt:
+            need_all = self._blocks_for(seq.num_tokens + 1) - len(match.block_ids)
+            if not self.blocks.can_allocate(max(need, need_all + self._reserved())):
+                self.blocks.release(match.block_ids)
+                return 0
         if not self.blocks.can_allocate(need):
             self.blocks.release(match.block_ids)
             return 0
+        tid = seq.request.trajectory_id
+        if tid is not None and tid in self._holds:
+            self._release_hold(tid)  # the sequence holds what it matched of it now
+            self.num_holds_used += 1
         seq.block_table = list(match.block_ids) + self.blocks.allocate(need)
         seq.num_computed = match.num_tokens
         seq.num_published_blocks = len(match.block_ids)
@@ -126,14 +165,38 @@ class Scheduler:
             seq.num_cached_tokens = match.num_tokens
         return n
 
+    def _reserved(self) -> int:
+        """Blocks that admitted prefills will still take to reach their first sample."""
+        total = 0
+        for s in self.running:
+            if not s.is_decoding:
+                total += max(self._blocks_for(s.num_tokens + 1) - len(s.block_table), 0)
+        return total
+
+    def _admit_held(self, budget: int, now: float) -> tuple[Sequence, int] | None:
+        """Admits the first waiting sequence (in queue order) whose trajectory's
+        context is held here, if it fits; returns it and its chunk."""
+        holds = self._holds
+        for key, seq in sorted((e for e in self._waiting
+                                if e[1].request.trajectory_id in holds), key=lambda e: e[0]):
+            n = self._admit(seq, budget, now)
+            if n:
+                self._waiting.remove((key, seq))
+                heapq.heapify(self._waiting)
+                return seq, n
+        return None
+
     def _ensure_slots(
-        self, seq: Sequence, num_tokens: int, scheduled: set[int], out: SchedulerOutput
+        self, seq: Sequence, num_tokens: int, scheduled: set[int], out: SchedulerOutput,
+        now: float = 0.0,
     ) -> bool:
         """Allocates blocks so ``seq`` has slots for ``num_tokens`` tokens,
-        preempting lower-priority unscheduled sequences (or ``seq`` itself) if
-        blocks run out. Returns False when ``seq`` was preempted."""
+        releasing holds, then preempting lower-priority unscheduled sequences (or
+        ``seq`` itself) if blocks run out. Returns False when ``seq`` was preempted."""
         need = self._blocks_for(num_tokens) - len(seq.block_table)
         while need > 0 and not self.blocks.can_allocate(need):
+            if self.break_hold():
+                continue
             victim = self._victim(scheduled)
             self.preempt(victim)
             out.preempted.append(victim)
@@ -195,11 +258,22 @@ class Scheduler:
         self.running.remove(seq)
         self.add(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Releases a finished (or aborted) sequence's blocks."""
+    def finish(self, seq: Sequence, now: float = 0.0, hold: bool = False) -> None:
+        """Releases a finished (or aborted) sequence's blocks; with ``hold`` (a turn
+        of a trajectory that finished normally) and ``kv_hold_s`` > 0, its cached
+        context stays held for the trajectory's next turn until ``now + kv_hold_s``."""
         if seq.status is SeqStatus.RUNNING:
             self.publish(seq)
-            self.blocks.release(seq.block_table)
+            tid = seq.request.trajectory_id
+            kept = seq.num_published_blocks if hold and self.kv_hold_s > 0 else 0
+            if kept and tid is not None:
+                if tid in self._holds:
+                    self._release_hold(tid)
+                self._holds[tid] = (seq.block_table[:kept], now + self.kv_hold_s)
+                self.num_holds += 1
+            else:
+                kept = 0
+            self.blocks.release(seq.block_table[kept:])
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.remove_waiting(seq)
@@ -207,11 +281,50 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def preempt_all(self) -> list[Sequence]:
-        """Preempts every running sequence (after a weight update)."""
+        """Preempts every running sequence and releases every hold (after a weight
+        update)."""
         victims = list(self.running)
         for seq in victims:
             self.preempt(seq)
+        for tid in list(self._holds):
+            self._release_hold(tid)
         return victims
+
+    # ------------------------------------------------------------ holds
+
+    @property
+    def num_held(self) -> int:
+        """Trajectories whose context is held."""
+        return len(self._holds)
+
+    @property
+    def hold_expiry(self) -> float | None:
+        """When the first hold expires (None: no hold)."""
+        return min((until for _, until in self._holds.values()), default=None)
+
+    def expire_holds(self, now: float) -> None:
+        for tid, (_, until) in list(self._holds.items()):
+            if until <= now:
+                self._release_hold(tid)
+
+    def release_hold(self, trajectory_id: str) -> bool:
+        """Ends a trajectory's hold (it finished); False if it had none."""
+        if trajectory_id not in self._holds:
+            return False
+        self._release_hold(trajectory_id)
+        return True
+
+    def break_hold(self) -> bool:
+        """Releases the hold that would expire first, to make room; False if none."""
+        if not self._holds:
+            return False
+        self._release_hold(min(self._holds, key=lambda t: self._holds[t][1]))
+        self.num_holds_broken += 1
+        return True
+
+    def _release_hold(self, tid: str) -> None:
+        blocks, _ = self._holds.pop(tid)
+        self.blocks.release(blocks)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -622,6 +622,12 @@ class PacedEngine:
     def has_unfinished(self) -> bool:
         return self.inner.has_unfinished()
 
+    def finish_trajectory(self, trajectory_id: str) -> bool:
+        return self.inner.finish_trajectory(trajectory_id)
+
+    def wait_s(self) -> float | None:
+        return self.inner.wait_s()
+
     def load(self) -> ReplicaLoad:
         return self.inner.load()
 

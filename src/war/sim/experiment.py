@@ -254,11 +254,19 @@ def run_experiment(exp: Experiment, trace_paths: Sequence[Path] | None = None,
     jobs = [(n, ld) for ld in run_loads for n in names]
     rows: list[dict[str, Any]] = []
     if workers > 1:
+        # The costliest runs first (higher loads, speculating configurations), so that
+        # no worker is left with a long one at the end; the report keeps job order.
+        def cost(job: tuple[str, float]) -> tuple[float, bool]:
+            return job[1], exp.configs[job[0]].get("spec_mode", "auto") != "off"
+
+        order = sorted(jobs, key=cost, reverse=True)
         ctx = multiprocessing.get_context("fork")
-        with ctx.Pool(workers) as pool:
-            for row in pool.imap(_run_one, jobs):
-                rows.append(row)
+        with ctx.Pool(min(workers, len(jobs))) as pool:
+            done = {}
+            for row in pool.imap_unordered(_run_one, order):
+                done[(row["config"], row["requested_load"])] = row
                 emit(_line(row))
+        rows = [done[job] for job in jobs]
     else:
         for job in jobs:
             rows.append(_run_one(job))

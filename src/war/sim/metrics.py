@@ -7,7 +7,8 @@ requests and speculation budget per time bin) and how to summarise a run. Does n
 know the event loop; ``war.sim.simulator`` fills these in.
 
 Lower bound of a step's makespan: ``max(work / fleet capacity, the longest
-trajectory's sequential time)``, for the run's own speculation quality:
+trajectory's sequential time, KV occupancy / fleet KV)``, for the run's own
+speculation quality:
 
 * capacity of a replica: the best over batch sizes ``b`` (that the KV holds at the
   step's mean context ``c``) of ``b * tau / step_time(b, b(1+k), b(c+1+k))``, with
@@ -17,6 +18,13 @@ trajectory's sequential time)``, for the run's own speculation quality:
 * a trajectory's sequential time: its tool latencies, plus per turn the prefill of
   its new prompt tokens alone and its sampling passes at batch 1 (with its own
   verified drafts per pass).
+* KV occupancy: a sequence keeps its context's KV resident while it runs, so the
+  fleet's KV tokens times the makespan hold at least, summed over turns, the turn's
+  context times its time alone (prefill chunk by chunk, each chunk holding the
+  context before it; each sampling pass holding the context and prompt). Tool calls
+  count nothing (a context may leave the KV meanwhile). This term binds when
+  contexts are long for the KV (tens of thousands of tokens per trajectory): a
+  replica then cannot run enough trajectories at once to reach its compute capacity.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ class StepMetrics:
     cached_tokens: int = 0
     work_s: float = 0.0
     longest_s: float = 0.0
+    kv_s: float = 0.0
     finish_times: list[float] = field(default_factory=list)  # trajectories, from start
 
     @property
@@ -68,7 +77,7 @@ class StepMetrics:
 
     @property
     def lower_bound(self) -> float:
-        return max(self.work_s, self.longest_s)
+        return max(self.work_s, self.longest_s, self.kv_s)
 
 
 def prefill_time(cost: CostModel, tokens: int, context: int, chunk: int) -> float:
@@ -91,6 +100,23 @@ def sequential_time(turns: Sequence[TurnRecord], cost: CostModel, chunk: int) ->
         total += max(r.passes - 1, 0) * cost.step_time(1, 1 + k, ctx + 1 + k, k)
         if i < len(turns) - 1:
             total += r.tool_s
+    return total
+
+
+def kv_token_seconds(turns: Sequence[TurnRecord], cost: CostModel, chunk: int) -> float:
+    """KV tokens times seconds that a trajectory's turns hold at least (module
+    docstring): each turn alone, its tool calls excluded."""
+    total = 0.0
+    for r in turns:
+        k = round(r.drafted / r.passes) if r.passes else 0
+        done = 0
+        while done < r.prompt:
+            n = min(chunk, r.prompt - done)
+            total += (r.context + done) * cost.step_time(1, n, r.context + done + n, 0)
+            done += n
+        ctx = r.context + r.prompt
+        mid = ctx + r.response // 2 + 1 + k
+        total += max(r.passes - 1, 0) * ctx * cost.step_time(1, 1 + k, mid, k)
     return total
 
 
@@ -196,6 +222,6 @@ class SimResult:
             "trajectories": sum(m.trajectories for m in s), "replica_steps": self.replica_steps,
             "truncated_trajectories": self.truncated, "dropped_trajectories": self.dropped,
             "steps": [{"makespan_s": m.makespan, "lower_bound_s": m.lower_bound,
-                       "work_s": m.work_s, "longest_s": m.longest_s,
+                       "work_s": m.work_s, "longest_s": m.longest_s, "kv_s": m.kv_s,
                        "generated": m.generated} for m in s],
         }

@@ -30,7 +30,7 @@ from war.engine.spec_policy import SpecPolicy
 from war.sim.costs import CostModel
 from war.sim.drafter import Drafter
 from war.sim.fastpath import eligible, lone_steps
-from war.sim.kvcache import PrefixKV
+from war.sim.kvcache import Node, PrefixKV
 from war.sim.sequence import SimSeq
 from war.sim.settings import ReplicaConfig, ReplicaStats
 from war.sim.speculation import Speculation
@@ -65,6 +65,9 @@ class SimReplica:
         self._done: list[SimSeq] = []  # turns completed by coalesced steps
         self._preempted: set[int] = set()  # ids preempted while planning this step
         self._step_no = 0
+        # trajectory -> (its pinned context, expiry, priority of its last turn)
+        self._holds: dict[str, tuple[Node, float, float]] = {}
+        self._hold_next = float("inf")  # earliest expiry of a hold
 
     def submit(self, seq: SimSeq) -> None:
         if seq.nprompt + seq.rlen > self.kv.capacity_tokens:
@@ -82,10 +85,13 @@ class SimReplica:
 
     # ------------------------------------------------------------------ planning
 
-    def start_step(self, now: float) -> float:
+    def start_step(self, now: float) -> float | None:
         """Plans the next step (or steps, when coalescing) at ``now``; returns how long
-        until it ends. The replica must have work."""
+        until it ends, or None when nothing can run before a held context is taken up
+        or expires (``hold_expiry``). The replica must have work."""
         dt = self._plan(now)
+        if dt is None:
+            return None
         cfg = self.config
         steps = 1
         lone = eligible(self)
@@ -103,12 +109,15 @@ class SimReplica:
                     break
                 if steps >= cfg.max_coalesced_steps:
                     break
-            dt += self._plan(now + dt)
+            more = self._plan(now + dt)
+            if more is None:
+                break
+            dt += more
             steps += 1
         self.busy = True
         return dt
 
-    def _plan(self, now: float) -> float:
+    def _plan(self, now: float) -> float | None:
         cfg, kv = self.config, self.kv
         bs = cfg.block_size
         budget = cfg.max_num_batched_tokens
@@ -118,6 +127,8 @@ class SimReplica:
         mark = self._step_no
         preempted = self._preempted
         preempted.clear()
+        if now >= self._hold_next:
+            self._expire(now)
         prefills: list[tuple[SimSeq, int]] = []
         decodes: list[SimSeq] = []
         context = 0
@@ -146,15 +157,29 @@ class SimReplica:
         while self.waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             seq = self.waiting[0][1]
             n = self._admit(seq, budget, now)
-            if n == 0:
+            if n:
+                heapq.heappop(self.waiting)
+            elif self._holds:
+                # A trajectory whose context is held here goes ahead of a head that
+                # does not fit; else a hold gives way to a head of higher priority, or
+                # to a held trajectory's turn when nothing else would run; else the
+                # head waits for room (module docstring).
+                got = self._admit_held(budget, now)
+                if got is None:
+                    if self._yield_hold(seq, not prefills and not decodes, now):
+                        continue
+                    break
+                seq, n = got
+            else:
                 break
-            heapq.heappop(self.waiting)
             running.append(seq)
             seq.mark = mark
             budget -= n
             context += seq.computed + n
             prefills.append((seq, n))
         if not prefills and not decodes:
+            if self._holds:
+                return None  # held contexts fill the KV: wait for their turns or expiry
             head = self.waiting[0][1] if self.waiting else None
             raise RuntimeError(f"replica {self.name} cannot schedule anything "
                                f"(head of queue: {head.request.request_id if head else None})")
@@ -180,6 +205,8 @@ class SimReplica:
         bs = self.config.block_size
         want = -(-slots // bs) - seq.cached // bs - seq.private
         while want > 0 and not self.kv.allocate(want):
+            if self._break_hold(now):
+                continue
             victim = max((s for s in self.running if s.mark != mark), key=_KEY)
             self.preempt(victim, now)
             if victim is seq:
@@ -189,15 +216,28 @@ class SimReplica:
         return True
 
     def _admit(self, seq: SimSeq, budget: int, now: float) -> int:
+        """Gives a waiting sequence its cached prefix and blocks for its first chunk;
+        returns the chunk's length (0: not now, nothing changed). With
+        ``admit_whole_prompt``, only if the blocks of its whole prefill are available
+        beyond what admitted prefills still need."""
         bs = self.config.block_size
         target = seq.prefill_target
         matched, node, used = self.kv.match(seq.tokens(seq.num_tokens), target - 1)
         locked = self.kv.lock(node, used)
         n = min(target - matched, budget)
         want = -(-(matched + n) // bs) - matched // bs
+        if self.config.admit_whole_prompt:
+            whole = -(-(target + 1) // bs) - matched // bs
+            if whole > self.kv.available_blocks - self._reserved():
+                self.kv.unlock(locked, now)
+                return 0
         if not self.kv.allocate(want):
             self.kv.unlock(locked, now)
             return 0
+        tid = seq.request.trajectory_id
+        if tid is not None and tid in self._holds:
+            self._release_hold(tid, now)  # the sequence pins what it matched of it
+            self.stats.holds_used += 1
         seq.node, seq.cached, seq.computed, seq.private = locked, matched, matched, want
         if not seq.started:
             seq.started = True
@@ -208,6 +248,89 @@ class SimReplica:
                 self.drafter.begin(seq)
         return n
 
+    def _reserved(self) -> int:
+        """Blocks that running prefills will still take to reach their targets."""
+        bs, total = self.config.block_size, 0
+        for s in self.running:
+            if s.computed < s.prefill_target:
+                total += max(-(-(s.prefill_target + 1) // bs) - s.cached // bs - s.private, 0)
+        return total
+
+    def _admit_held(self, budget: int, now: float) -> tuple[SimSeq, int] | None:
+        """Admits the first waiting sequence (in queue order) whose trajectory's
+        context is held here, if it fits; returns it and its chunk."""
+        holds = self._holds
+        for key, seq in sorted(e for e in self.waiting if e[1].request.trajectory_id in holds):
+            n = self._admit(seq, budget, now)
+            if n:
+                self.waiting.remove((key, seq))
+                heapq.heapify(self.waiting)
+                return seq, n
+        return None
+
+    # ------------------------------------------------------------------ holds
+
+    def _hold(self, seq: SimSeq, node: Node, now: float) -> None:
+        """Pins a finished turn's cached context for its trajectory's next turn."""
+        tid = seq.request.trajectory_id
+        if tid is None:
+            return
+        if tid in self._holds:
+            self._release_hold(tid, now)
+        until = now + self.config.kv_hold_s
+        self._holds[tid] = (self.kv.lock(node, len(node.key)), until, seq.priority)
+        self._hold_next = min(self._hold_next, until)
+        self.stats.holds += 1
+
+    def _release_hold(self, tid: str, now: float) -> None:
+        node, _, _ = self._holds.pop(tid)
+        self.kv.unlock(node, now)
+        if not self._holds:
+            self._hold_next = float("inf")
+
+    def _expire(self, now: float) -> None:
+        for tid, (_, until, _) in list(self._holds.items()):
+            if until <= now:
+                self._release_hold(tid, now)
+        self._hold_next = min((h[1] for h in self._holds.values()), default=float("inf"))
+
+    def _break_hold(self, now: float, keep: str | None = None,
+                    below: float | None = None) -> bool:
+        """Releases a hold to make room: the lowest priority, then soonest expiring,
+        other than ``keep``'s and (with ``below``) of priority below it; False if none."""
+        holds = self._holds
+        cands = [t for t in holds if t != keep and (below is None or holds[t][2] < below)]
+        if not cands:
+            return False
+        self._release_hold(min(cands, key=lambda t: (holds[t][2], holds[t][1])), now)
+        self.stats.holds_broken += 1
+        return True
+
+    def _yield_hold(self, head: SimSeq, idle: bool, now: float) -> bool:
+        """After ``head`` (and every held trajectory's turn) failed to fit: releases a
+        hold of lower priority than ``head``'s or, when the step would run nothing
+        (``idle``) and a held trajectory's turn waits, another hold than its own;
+        True if one was released."""
+        if self._break_hold(now, below=head.priority):
+            return True
+        if not idle:
+            return False
+        for _, seq in sorted(self.waiting):
+            tid = seq.request.trajectory_id
+            if tid in self._holds and self._break_hold(now, keep=tid):
+                return True
+        return False
+
+    @property
+    def hold_expiry(self) -> float:
+        """When the first hold expires (inf: none)."""
+        return self._hold_next
+
+    def finish_trajectory(self, trajectory_id: str, now: float) -> None:
+        """The trajectory ended: its held context (if any) is released."""
+        if trajectory_id in self._holds:
+            self._release_hold(trajectory_id, now)
+
     # ------------------------------------------------------------------ applying
 
     def finish_step(self, now: float) -> list[SimSeq]:
@@ -217,7 +340,7 @@ class SimReplica:
         self._done = []
         for seq in done:
             self.running.remove(seq)
-            self._release(seq, seq.num_tokens, now)
+            self._release(seq, seq.num_tokens, now, hold=self.config.kv_hold_s > 0)
             if self.drafter is not None:
                 self.drafter.end(seq)
         self.busy = False
@@ -277,9 +400,11 @@ class SimReplica:
         ok = kv.allocate(seq.private)
         assert ok, "caching a prefix never needs more blocks than it frees"
 
-    def _release(self, seq: SimSeq, tokens: int, now: float) -> None:
+    def _release(self, seq: SimSeq, tokens: int, now: float, hold: bool = False) -> None:
         self.kv.free(seq.private)
-        self.kv.insert(seq.tokens(tokens), now)
+        node = self.kv.insert(seq.tokens(tokens), now)
+        if hold:
+            self._hold(seq, node, now)
         if seq.node is not None:
             self.kv.unlock(seq.node, now)
         seq.node, seq.cached, seq.private = None, 0, 0

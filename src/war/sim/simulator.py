@@ -34,6 +34,7 @@ from war.sim.metrics import (
     StepMetrics,
     Timeline,
     TurnRecord,
+    kv_token_seconds,
     min_prefill_tokens,
     sequential_time,
     work_time,
@@ -246,7 +247,11 @@ class Simulator:
         self._kicked[i] = False
         r = self.replicas[i]
         if not r.busy and r.has_work():
-            self._push(self.now + r.start_step(self.now), _STEP_END, i)
+            dt = r.start_step(self.now)
+            if dt is None:  # held contexts fill its KV: look again when one expires
+                self._push(r.hold_expiry, _KICK, i)
+            else:
+                self._push(self.now + dt, _STEP_END, i)
 
     def _step_end(self, i: int, m: StepMetrics) -> int:
         r, now = self.replicas[i], self.now
@@ -293,6 +298,7 @@ class Simulator:
             self._push(now + turn.tool_s, _ARRIVE, st)
             return 0
         m.finish_times.append(now - m.start)
+        self.replicas[i].finish_trajectory(st.traj.traj_id, now)
         finish = getattr(self.policy, "finish_trajectory", None)
         if finish is not None:
             finish(st.traj.traj_id, now)
@@ -310,6 +316,8 @@ class Simulator:
                              rc.max_num_seqs, chunk, self.config.num_replicas)
         m.longest_s = max((sequential_time(st.records, self.cost, chunk) for st in states),
                           default=0.0)
+        kv = sum(kv_token_seconds(st.records, self.cost, chunk) for st in states)
+        m.kv_s = kv / (r0.kv.capacity_tokens * self.config.num_replicas)
 
 
 def fitting_turns(traj: SimTrajectory, capacity: int) -> int:

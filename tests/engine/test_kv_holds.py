@@ -1,0 +1,166 @@
+"""KV holds for agentic trajectories and whole-prompt admission in the engine: a
+finished turn's context stays held through the tool call, a cold request waits
+instead of evicting it, holds expire, give way before anyone is preempted, end with
+the trajectory, and never change what is generated."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from war.engine.async_engine import AsyncEngine
+from war.engine.config import EngineConfig
+from war.engine.engine import Engine
+from war.engine.model import CausalLM
+from war.types import GenRequest, GenResult, SamplingParams
+
+SP = SamplingParams(temperature=0.0, max_tokens=6)
+# 16 blocks of 4 tokens. Trajectory "t": 30 prompt tokens + 6 generated, of which 35
+# are computed: 8 full blocks stay held. A cold request of 34 tokens needs 9 to start.
+PROMPT_T = tuple(range(1, 31))
+PROMPT_C = tuple(range(40, 74))
+
+
+class Clock:
+    """Virtual time: a microsecond per reading (steps take time), set by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
+def make(model: CausalLM, hold: float, whole: bool = True, blocks: int = 16
+         ) -> tuple[Engine, Clock]:
+    clock = Clock()
+    cfg = EngineConfig(dtype="float64", block_size=4, num_kv_blocks=blocks, spec_mode="off",
+                       kv_hold_s=hold, admit_whole_prompt=whole)
+    return Engine(model, cfg, clock=clock), clock
+
+
+def drain(engine: Engine, clock: Clock, limit: int = 500) -> dict[str, GenResult]:
+    done: dict[str, GenResult] = {}
+    for _ in range(limit):
+        clock.now += 0.001
+        for r in engine.step():
+            done[r.request_id] = r
+        if not engine.has_unfinished() or engine.wait_s() is not None:
+            break
+    engine.check_integrity()
+    return done
+
+
+def test_a_held_context_survives_a_cold_request(model64: CausalLM) -> None:
+    eng, clock = make(model64, hold=10.0)
+    first = eng.generate([GenRequest("t0", PROMPT_T, SP, trajectory_id="t")])[0]
+    assert eng.scheduler.num_held == 1
+    # The tool call: a cold request arrives and cannot fit beside the held 8 blocks.
+    eng.add_request(GenRequest("c", PROMPT_C, SP))
+    assert drain(eng, clock) == {}
+    assert eng.wait_s() == pytest.approx(10.0 - clock.now, abs=0.01)
+    # The trajectory's next turn takes its context over: nothing recomputed.
+    turn2 = PROMPT_T + first.output_ids + (5, 6, 7)
+    eng.add_request(GenRequest("t1", turn2, SP, trajectory_id="t"))
+    done = drain(eng, clock)
+    assert set(done) == {"t1"} and done["t1"].num_cached_tokens == 32
+    t1 = done["t1"].output_ids
+    assert eng.scheduler.num_holds_used == 1
+    # The trajectory ends: its hold goes, and the cold request runs.
+    assert eng.finish_trajectory("t") and not eng.finish_trajectory("t")
+    done = drain(eng, clock)
+    assert set(done) == {"c"}
+    assert eng.scheduler.num_held == 0 and eng.stats.num_preemptions == 0
+    # Holds change the order of work, never what is generated.
+    plain = Engine(model64, EngineConfig(dtype="float64", block_size=4, num_kv_blocks=64,
+                                         spec_mode="off"))
+    ref = plain.generate([GenRequest("t0", PROMPT_T, SP), GenRequest("t1", turn2, SP),
+                          GenRequest("c", PROMPT_C, SP)])
+    assert [r.output_ids for r in ref] == [first.output_ids, t1, done["c"].output_ids]
+
+
+def test_without_a_hold_the_cold_request_evicts_the_context(model64: CausalLM) -> None:
+    eng, clock = make(model64, hold=0.0)
+    first = eng.generate([GenRequest("t0", PROMPT_T, SP, trajectory_id="t")])[0]
+    eng.add_request(GenRequest("c", PROMPT_C, SP))
+    assert set(drain(eng, clock)) == {"c"}
+    turn2 = PROMPT_T + first.output_ids + (5, 6, 7)
+    t1 = eng.generate([GenRequest("t1", turn2, SP, trajectory_id="t")])[0]
+    assert t1.num_cached_tokens < 32
+
+
+def test_a_hold_expires(model64: CausalLM) -> None:
+    eng, clock = make(model64, hold=2.0)
+    eng.generate([GenRequest("t0", PROMPT_T, SP, trajectory_id="t")])
+    eng.add_request(GenRequest("c", PROMPT_C, SP))
+    assert drain(eng, clock) == {}
+    clock.now = 2.5  # the tool call outlasted the hold
+    assert eng.wait_s() == 0.0
+    assert set(drain(eng, clock)) == {"c"}
+    # "t"'s hold expired ("c", with no trajectory, holds nothing)
+    assert eng.scheduler.num_held == 0 and eng.scheduler.hold_expiry is None
+
+
+def test_holds_give_way_before_a_running_sequence_is_preempted(model64: CausalLM) -> None:
+    eng, clock = make(model64, hold=10.0)
+    eng.generate([GenRequest("t0", PROMPT_T, SP, trajectory_id="t")])  # 8 blocks held
+    # 4 prompt tokens + 36 generated: 10 blocks, more than the 8 left once it grows.
+    eng.add_request(GenRequest("g", (90, 91, 92, 93), SamplingParams(temperature=0.0,
+                                                                     max_tokens=36)))
+    done = drain(eng, clock)
+    assert set(done) == {"g"} and len(done["g"].output_ids) == 36
+    assert eng.scheduler.num_holds_broken == 1 and eng.stats.num_preemptions == 0
+
+
+def test_generate_does_not_wait_for_holds(model64: CausalLM) -> None:
+    eng, _ = make(model64, hold=10.0)
+    out = eng.generate([GenRequest("t0", PROMPT_T, SP, trajectory_id="t"),
+                        GenRequest("c", PROMPT_C, SP, trajectory_id="u"),
+                        GenRequest("d", tuple(range(70, 96)), SP, trajectory_id="v")])
+    assert len(out) == 3  # holds of finished turns are broken when nothing else runs
+    eng.check_integrity()
+
+
+def test_weight_reload_releases_holds(model64: CausalLM) -> None:
+    eng, _ = make(model64, hold=10.0)
+    eng.generate([GenRequest("t0", PROMPT_T, SP, trajectory_id="t")])
+    eng.load_weights(model64.state_dict())
+    assert eng.scheduler.num_held == 0
+    eng.check_integrity()
+    assert eng.blocks.num_free_blocks == 16
+
+
+def test_async_engine_waits_for_the_hold_then_serves(model64: CausalLM) -> None:
+    cfg = EngineConfig(dtype="float64", block_size=4, num_kv_blocks=16, spec_mode="off",
+                       kv_hold_s=0.5, admit_whole_prompt=True)
+    engine = Engine(model64, cfg)
+    calls = 0
+    step = engine.step
+
+    def counted() -> list[GenResult]:
+        nonlocal calls
+        calls += 1
+        return step()
+
+    engine.step = counted  # type: ignore[method-assign]
+
+    async def main() -> tuple[float, int]:
+        async with AsyncEngine(engine) as ae:
+            await ae.generate(GenRequest("t0", PROMPT_T, SP, trajectory_id="t"))
+            t0 = time.perf_counter()
+            before = calls
+            await ae.generate(GenRequest("c", PROMPT_C, SP))  # waits out the hold
+            return time.perf_counter() - t0, calls - before
+
+    waited, steps = asyncio.run(main())
+    assert waited >= 0.3
+    assert steps < 50  # it slept instead of spinning
+
+
+def test_hold_settings_are_validated() -> None:
+    for bad in (-1.0, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="kv_hold_s"):
+            EngineConfig(kv_hold_s=bad)  # type: ignore[arg-type]

@@ -1,0 +1,110 @@
+"""KV holds and whole-prompt admission on simulated replicas: a trajectory's context
+stays pinned through its tool call, a cold request waits instead of evicting it, holds
+expire, give way before a running sequence is preempted, and are released when the
+trajectory ends."""
+
+from __future__ import annotations
+
+import pytest
+from sim_helpers import FixedPolicy, trajectory, workload
+
+from war.sim.costs import LinearCost
+from war.sim.replica import ReplicaConfig
+from war.sim.simulator import SimConfig, Simulator
+from war.sim.workload import Workload
+from war.types import GenRequest, GenResult
+
+
+class Recorder(FixedPolicy):
+    """Everything to r0; records when each trajectory's turns complete."""
+
+    def __init__(self) -> None:
+        super().__init__("r0")
+        self.done: list[tuple[str, float]] = []
+
+    def on_complete(self, request: GenRequest, result: GenResult | None, replica: str,
+                    now: float) -> None:
+        assert request.trajectory_id is not None
+        self.done.append((request.trajectory_id, now))
+
+    def end(self, tid: str) -> float:
+        return max(t for name, t in self.done if name == tid)
+
+
+def run(wl: Workload, hold_s: float, whole: bool = True, blocks: int = 20
+        ) -> tuple[Simulator, Recorder]:
+    cfg = SimConfig(num_replicas=1, replica=ReplicaConfig(
+        spec_mode="off", num_kv_blocks=blocks, block_size=16, kv_hold_s=hold_s,
+        admit_whole_prompt=whole))
+    policy = Recorder()
+    sim = Simulator(cfg, LinearCost(0.01, 0.001, 0.0), wl, policy)
+    sim.run()
+    return sim, policy
+
+
+def two_trajectories(tool_s: float) -> Workload:
+    # 320 KV tokens. "a" holds 176 tokens after its first turn, 218 at the end; "b"
+    # needs 13 blocks for its 200-token prompt: both never fit at once.
+    a = trajectory("a", 160, [16, 16, 16], tool_s=tool_s, base=0)
+    b = trajectory("b", 200, [16], base=1000)
+    return workload(a, b)
+
+
+def test_a_held_context_survives_its_tool_calls_and_a_cold_request_waits() -> None:
+    sim, policy = run(two_trajectories(tool_s=1.0), hold_s=10.0)
+    st = sim.replicas[0].stats
+    # "a" prefills its first prompt, then only what is new: 5 tokens (176 cached),
+    # then 10 (192 of 202 cached, whole blocks); "b" its whole prompt, once.
+    assert st.prefill_tokens == 160 + 5 + 10 + 200
+    assert (st.holds, st.holds_used, st.holds_broken, st.preemptions) == (4, 2, 0, 0)
+    # "b" waited through both tool calls: it starts after "a" has ended.
+    assert policy.end("b") > policy.end("a") + 0.2
+    assert sim.result.steps[0].generated == 3 * 16 + 16
+    kv = sim.replicas[0].kv
+    assert kv.locked_blocks == 0 and kv.private_blocks == 0  # released at the end
+
+
+def test_without_holds_the_cold_request_evicts_the_context() -> None:
+    sim, policy = run(two_trajectories(tool_s=1.0), hold_s=0.0)
+    st = sim.replicas[0].stats
+    assert st.prefill_tokens > 160 + 5 + 10 + 200  # "a" recomputes what "b" evicted
+    assert st.holds == 0
+    assert policy.end("b") < policy.end("a")
+    assert sim.result.steps[0].generated == 3 * 16 + 16
+
+
+def test_a_hold_expires_when_the_tool_call_outlasts_it() -> None:
+    held, p_held = run(two_trajectories(tool_s=5.0), hold_s=10.0)
+    expired, p_expired = run(two_trajectories(tool_s=5.0), hold_s=1.0)
+    assert p_held.end("b") > p_held.end("a")
+    # After "a"'s first turn its hold lasts 1 s: "b" runs then, during the tool call.
+    first = min(t for name, t in p_expired.done if name == "a")
+    assert first + 1.0 <= p_expired.end("b") < first + 5.0
+    assert expired.replicas[0].stats.holds_used < held.replicas[0].stats.holds_used
+
+
+def test_a_hold_gives_way_before_a_running_sequence_is_preempted() -> None:
+    # "a" (100-token prompt, 7 blocks) is held through a 5 s tool call while "c" grows
+    # to 250 tokens (16 blocks): 23 blocks of 20, so the hold is broken, nobody preempted.
+    a = trajectory("a", 100, [12, 12], tool_s=5.0, base=0)
+    c = trajectory("c", 50, [200], base=1000)
+    sim, _ = run(workload(a, c), hold_s=10.0)
+    st = sim.replicas[0].stats
+    assert (st.holds_broken, st.preemptions) == (1, 0)
+    assert sim.result.steps[0].generated == 12 + 12 + 200
+
+
+def test_whole_prompt_admission_avoids_preempting_running_sequences() -> None:
+    trajs = [trajectory(f"t{i}", 100, [150], base=1000 * i) for i in range(6)]
+    chunked, _ = run(workload(*trajs), hold_s=0.0, whole=False, blocks=40)
+    whole, _ = run(workload(*trajs), hold_s=0.0, whole=True, blocks=40)
+    assert chunked.result.preemptions > 0
+    assert whole.result.preemptions < chunked.result.preemptions
+    assert whole.result.steps[0].generated == chunked.result.steps[0].generated == 6 * 150
+
+
+def test_hold_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="kv_hold_s"):
+        ReplicaConfig(kv_hold_s=-1.0)
+    with pytest.raises(ValueError, match="kv_hold_s"):
+        ReplicaConfig(kv_hold_s=float("nan"))
