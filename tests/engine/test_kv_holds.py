@@ -115,6 +115,27 @@ def test_holds_give_way_before_a_running_sequence_is_preempted(model64: CausalLM
     assert eng.scheduler.num_holds_broken == 1 and eng.stats.num_preemptions == 0
 
 
+def test_a_request_of_higher_priority_takes_a_held_context(model64: CausalLM) -> None:
+    eng, clock = make(model64, hold=10.0)
+    eng.generate([GenRequest("t0", PROMPT_T, SP, trajectory_id="t")])
+    eng.add_request(GenRequest("c", PROMPT_C, SP, priority=5.0))  # "t" held at 0.0
+    assert set(drain(eng, clock)) == {"c"}
+    assert eng.scheduler.num_holds_broken == 1 and eng.scheduler.num_held == 0
+
+
+def test_a_held_turn_that_cannot_fit_takes_another_hold(model64: CausalLM) -> None:
+    eng, clock = make(model64, hold=10.0)
+    first = eng.generate([GenRequest("t0", PROMPT_T, SP, trajectory_id="t")])[0]  # 8 held
+    eng.generate([GenRequest("u0", tuple(range(40, 62)), SP, trajectory_id="u")])  # 6 held
+    # "t"'s next turn needs 4 more blocks, 2 are free and nothing else would run:
+    # "u"'s hold gives way rather than waiting for it to expire.
+    turn2 = PROMPT_T + first.output_ids + tuple(range(80, 90))
+    eng.add_request(GenRequest("t1", turn2, SP, trajectory_id="t"))
+    done = drain(eng, clock)
+    assert set(done) == {"t1"} and done["t1"].num_cached_tokens == 32
+    assert eng.scheduler.num_holds_broken == 1
+
+
 def test_generate_does_not_wait_for_holds(model64: CausalLM) -> None:
     eng, _ = make(model64, hold=10.0)
     out = eng.generate([GenRequest("t0", PROMPT_T, SP, trajectory_id="t"),

@@ -5,14 +5,18 @@ trajectory ends."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from sim_helpers import FixedPolicy, trajectory, workload
 
+from war.engine.spec_policy import SpecPolicy, SpecPolicyConfig
 from war.sim.costs import LinearCost
-from war.sim.replica import ReplicaConfig
+from war.sim.replica import ReplicaConfig, SimReplica
+from war.sim.sequence import SimSeq
 from war.sim.simulator import SimConfig, Simulator
-from war.sim.workload import Workload
-from war.types import GenRequest, GenResult
+from war.sim.workload import SimTrajectory, Workload
+from war.types import GenRequest, GenResult, SamplingParams
 
 
 class Recorder(FixedPolicy):
@@ -92,6 +96,58 @@ def test_a_hold_gives_way_before_a_running_sequence_is_preempted() -> None:
     st = sim.replicas[0].stats
     assert (st.holds_broken, st.preemptions) == (1, 0)
     assert sim.result.steps[0].generated == 12 + 12 + 200
+
+
+def replica_with_held(a_priority: float) -> tuple[SimReplica, float]:
+    """A replica of 320 KV tokens that served "a"'s first turn (176 tokens now held);
+    returns it and the time."""
+    replica = SimReplica("r0", ReplicaConfig(spec_mode="off", num_kv_blocks=20,
+                                             block_size=16, kv_hold_s=10.0,
+                                             admit_whole_prompt=True),
+                         LinearCost(0.01, 0.001, 0.0), None,
+                         SpecPolicy(SpecPolicyConfig(mode="off")))
+    a = trajectory("a", 160, [16, 16], tool_s=1.0, base=0)
+    replica.submit(seq_of(a, a_priority, 1))
+    now = 0.0
+    while replica.has_work():
+        dt = replica.start_step(now)
+        assert dt is not None
+        now += dt
+        replica.finish_step(now)
+    assert replica.kv.locked_blocks == 11
+    return replica, now
+
+
+def seq_of(t: SimTrajectory, priority: float, order: int) -> SimSeq:
+    req = GenRequest(f"{t.traj_id}/0", t.turns[0].prompt, SamplingParams(max_tokens=64),
+                     trajectory_id=t.traj_id)
+    return SimSeq(req, t, 0, t.turns[0].prompt, priority, order)
+
+
+def test_a_request_of_higher_priority_takes_a_held_context() -> None:
+    cold = trajectory("c", 200, [16], base=1000)  # 13 blocks: 9 are left beside "a"
+    replica, now = replica_with_held(a_priority=1.0)
+    replica.submit(seq_of(cold, 1.0, 2))
+    assert replica.start_step(now) is None  # no higher: it waits for "a"
+    assert replica.hold_expiry == pytest.approx(now + 10.0)
+    replica, now = replica_with_held(a_priority=1.0)
+    replica.submit(seq_of(cold, 2.0, 2))
+    assert replica.start_step(now) is not None  # higher: "a"'s hold gives way
+    assert replica.stats.holds_broken == 1 and replica.kv.locked_blocks < 11
+
+
+def test_a_held_turn_that_cannot_fit_takes_another_hold() -> None:
+    # 320 KV tokens: "a" and "u" both held (176 + 112 tokens, 18 blocks); "a"'s next
+    # turn (100 new tokens) needs 7 more blocks with nothing else running: "u"'s hold
+    # gives way at once instead of "a" waiting out its 10 s.
+    a = trajectory("a", 160, [16, 16], tool_s=1.0, base=0)
+    a = dataclasses.replace(a, turns=(a.turns[0], dataclasses.replace(
+        a.turns[1], prompt=tuple(range(5000, 5100)))))
+    u = trajectory("u", 100, [12, 12], tool_s=5.0, base=1000)
+    sim, policy = run(workload(a, u), hold_s=10.0)
+    st = sim.replicas[0].stats
+    assert st.holds_broken == 1
+    assert policy.end("a") < 5.0
 
 
 def test_whole_prompt_admission_avoids_preempting_running_sequences() -> None:

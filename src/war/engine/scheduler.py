@@ -18,10 +18,13 @@ comes back after a tool call) for up to ``kv_hold_s`` seconds, so that other
 requests cannot evict them meanwhile. The next turn takes them over; a waiting
 turn whose context is held goes ahead of a head of the queue that does not fit.
 A hold ends when taken over, when it expires, when the trajectory is finished
-(``release_hold``), or when a running sequence needs its blocks (holds give
-way, soonest expiring first, before anyone is preempted). When held contexts
-leave too little room for anything waiting, nothing runs until one is taken
-over or expires (``hold_expiry``): recomputing a long context costs more than
+(``release_hold``), when a running sequence needs its blocks (holds give way,
+lowest priority then soonest expiring first, before anyone is preempted), when
+a waiting request of higher priority needs its blocks, or when nothing would
+run and a held trajectory's turn waits for room (another hold gives way). A
+request of no higher priority waits instead: when held contexts leave too
+little room for anything waiting, nothing runs until one is taken over or
+expires (``hold_expiry``), as recomputing a long context costs more than
 waiting out a tool call. With ``admit_whole_prompt`` a waiting sequence is
 admitted only when the blocks of its whole prefill are available beyond what
 admitted prefills still need, so a long prompt never preempts running sequences
@@ -68,8 +71,8 @@ class Scheduler:
         self._waiting: list[tuple[tuple[float, int], Sequence]] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # trajectory id -> (blocks held for its next turn, expiry time)
-        self._holds: dict[str, tuple[list[int], float]] = {}
+        # trajectory id -> (blocks held for its next turn, expiry, its last priority)
+        self._holds: dict[str, tuple[list[int], float, float]] = {}
         self.num_holds = 0  # turns whose context was held
         self.num_holds_used = 0  # next turns that took their held context over
         self.num_holds_broken = 0  # holds released early to make room
@@ -128,6 +131,8 @@ class Scheduler:
             else:
                 got = self._admit_held(budget, now) if self._holds else None
                 if got is None:
+                    if self._holds and self._yield_hold(seq, out.is_empty):
+                        continue
                     break
                 seq, n = got
             self.running.append(seq)
@@ -269,7 +274,7 @@ class Scheduler:
             if kept and tid is not None:
                 if tid in self._holds:
                     self._release_hold(tid)
-                self._holds[tid] = (seq.block_table[:kept], now + self.kv_hold_s)
+                self._holds[tid] = (seq.block_table[:kept], now + self.kv_hold_s, seq.priority)
                 self.num_holds += 1
             else:
                 kept = 0
@@ -300,10 +305,10 @@ class Scheduler:
     @property
     def hold_expiry(self) -> float | None:
         """When the first hold expires (None: no hold)."""
-        return min((until for _, until in self._holds.values()), default=None)
+        return min((h[1] for h in self._holds.values()), default=None)
 
     def expire_holds(self, now: float) -> None:
-        for tid, (_, until) in list(self._holds.items()):
+        for tid, (_, until, _) in list(self._holds.items()):
             if until <= now:
                 self._release_hold(tid)
 
@@ -314,16 +319,34 @@ class Scheduler:
         self._release_hold(trajectory_id)
         return True
 
-    def break_hold(self) -> bool:
-        """Releases the hold that would expire first, to make room; False if none."""
-        if not self._holds:
+    def break_hold(self, keep: str | None = None, below: float | None = None) -> bool:
+        """Releases a hold to make room: the lowest priority, then soonest expiring,
+        other than ``keep``'s and (with ``below``) of priority below it; False if none."""
+        holds = self._holds
+        cands = [t for t in holds if t != keep and (below is None or holds[t][2] < below)]
+        if not cands:
             return False
-        self._release_hold(min(self._holds, key=lambda t: self._holds[t][1]))
+        self._release_hold(min(cands, key=lambda t: (holds[t][2], holds[t][1])))
         self.num_holds_broken += 1
         return True
 
+    def _yield_hold(self, head: Sequence, idle: bool) -> bool:
+        """After ``head`` (and every held trajectory's turn) failed to fit: releases a
+        hold of lower priority than ``head``'s or, when the step would run nothing
+        (``idle``) and a held trajectory's turn waits, another hold than its own;
+        True if one was released."""
+        if self.break_hold(below=head.priority):
+            return True
+        if not idle:
+            return False
+        for _, seq in sorted(self._waiting, key=lambda e: e[0]):
+            tid = seq.request.trajectory_id
+            if tid in self._holds and self.break_hold(keep=tid):
+                return True
+        return False
+
     def _release_hold(self, tid: str) -> None:
-        blocks, _ = self._holds.pop(tid)
+        blocks, _, _ = self._holds.pop(tid)
         self.blocks.release(blocks)
 
     def _blocks_for(self, num_tokens: int) -> int:
