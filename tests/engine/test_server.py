@@ -349,7 +349,8 @@ def test_war_serve_subprocess(tmp_path: Path) -> None:
     env = {**os.environ, "WAR_API_KEY": KEY}
     proc = subprocess.Popen(
         [sys.executable, "-m", "war.cli.main", "serve", "--model", str(folder),
-         "--port", str(port), "--kv-cache-mb", "4", "--log-level", "warning"],
+         "--port", str(port), "--kv-cache-mb", "4", "--log-level", "warning",
+         "--kv-hold-s", "5", "--admit-whole-prompt"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -56,6 +56,11 @@ def add_serve_command(commands: Subparsers) -> None:
                    help="most tokens in one forward pass")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence (default: the model's max_position_embeddings)")
+    p.add_argument("--kv-hold-s", type=float, default=0.0, metavar="S",
+                   help="keep a finished turn's KV for its trajectory's next turn this long "
+                   "(agentic tool calls; default: 0, off)")
+    p.add_argument("--admit-whole-prompt", action="store_true",
+                   help="admit a request only when its whole prefill fits the free KV")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's random stream")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
@@ -101,6 +106,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         spec_mode=args.spec_mode,
+        kv_hold_s=args.kv_hold_s,
+        admit_whole_prompt=args.admit_whole_prompt,
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
