@@ -124,16 +124,17 @@ def seq_of(t: SimTrajectory, priority: float, order: int) -> SimSeq:
     return SimSeq(req, t, 0, t.turns[0].prompt, priority, order)
 
 
-def test_a_request_of_higher_priority_takes_a_held_context() -> None:
+def test_a_cold_request_waits_for_a_held_context_whatever_its_priority() -> None:
     cold = trajectory("c", 200, [16], base=1000)  # 13 blocks: 9 are left beside "a"
-    replica, now = replica_with_held(a_priority=1.0)
-    replica.submit(seq_of(cold, 1.0, 2))
-    assert replica.start_step(now) is None  # no higher: it waits for "a"
-    assert replica.hold_expiry == pytest.approx(now + 10.0)
-    replica, now = replica_with_held(a_priority=1.0)
-    replica.submit(seq_of(cold, 2.0, 2))
-    assert replica.start_step(now) is not None  # higher: "a"'s hold gives way
-    assert replica.stats.holds_broken == 1 and replica.kv.locked_blocks < 11
+    for priority in (1.0, 5.0):
+        replica, now = replica_with_held(a_priority=1.0)
+        replica.submit(seq_of(cold, priority, 2))
+        assert replica.start_step(now) is None  # it waits for "a"'s hold
+        assert replica.hold_expiry == pytest.approx(now + 10.0)
+        # ... which expires: then it runs
+        dt = replica.start_step(now + 10.0)
+        assert dt is not None and replica.stats.holds_broken == 0
+        assert replica.kv.locked_blocks == 0  # "a"'s hold expired
 
 
 def test_a_held_turn_that_cannot_fit_takes_another_hold() -> None:

@@ -19,13 +19,13 @@ requests cannot evict them meanwhile. The next turn takes them over; a waiting
 turn whose context is held goes ahead of a head of the queue that does not fit.
 A hold ends when taken over, when it expires, when the trajectory is finished
 (``release_hold``), when a running sequence needs its blocks (holds give way,
-lowest priority then soonest expiring first, before anyone is preempted), when
-a waiting request of higher priority needs its blocks, or when nothing would
-run and a held trajectory's turn waits for room (another hold gives way). A
-request of no higher priority waits instead: when held contexts leave too
-little room for anything waiting, nothing runs until one is taken over or
-expires (``hold_expiry``), as recomputing a long context costs more than
-waiting out a tool call. With ``admit_whole_prompt`` a waiting sequence is
+lowest priority then soonest expiring first, before anyone is preempted), or
+when nothing would run and a held trajectory's turn waits for room (another
+hold gives way). Any other request waits, whatever its priority: when held
+contexts leave too little room for anything waiting, nothing runs until one is
+taken over or expires (``hold_expiry``), as recomputing a long context costs
+more than waiting out a tool call (breaking holds for higher-priority requests
+was measured to thrash on long contexts: docs/sim.md). With ``admit_whole_prompt`` a waiting sequence is
 admitted only when the blocks of its whole prefill are available beyond what
 admitted prefills still need, so a long prompt never preempts running sequences
 chunk by chunk. Time is the ``now`` passed in.
@@ -131,7 +131,7 @@ class Scheduler:
             else:
                 got = self._admit_held(budget, now) if self._holds else None
                 if got is None:
-                    if self._holds and self._yield_hold(seq, out.is_empty):
+                    if self._holds and out.is_empty and self._yield_hold():
                         continue
                     break
                 seq, n = got
@@ -319,26 +319,22 @@ class Scheduler:
         self._release_hold(trajectory_id)
         return True
 
-    def break_hold(self, keep: str | None = None, below: float | None = None) -> bool:
+    def break_hold(self, keep: str | None = None) -> bool:
         """Releases a hold to make room: the lowest priority, then soonest expiring,
-        other than ``keep``'s and (with ``below``) of priority below it; False if none."""
+        other than ``keep``'s; False if none."""
         holds = self._holds
-        cands = [t for t in holds if t != keep and (below is None or holds[t][2] < below)]
+        cands = [t for t in holds if t != keep]
         if not cands:
             return False
         self._release_hold(min(cands, key=lambda t: (holds[t][2], holds[t][1])))
         self.num_holds_broken += 1
         return True
 
-    def _yield_hold(self, head: Sequence, idle: bool) -> bool:
-        """After ``head`` (and every held trajectory's turn) failed to fit: releases a
-        hold of lower priority than ``head``'s or, when the step would run nothing
-        (``idle``) and a held trajectory's turn waits, another hold than its own;
-        True if one was released."""
-        if self.break_hold(below=head.priority):
-            return True
-        if not idle:
-            return False
+    def _yield_hold(self) -> bool:
+        """When the step would run nothing and a held trajectory's turn waits for room:
+        releases another hold than its own; True if one was released. (A request
+        without a hold waits instead, whatever its priority: breaking a hold to let it
+        in costs the held trajectory its context, and on long contexts that thrashes.)"""
         for _, seq in sorted(self._waiting, key=lambda e: e[0]):
             tid = seq.request.trajectory_id
             if tid in self._holds and self.break_hold(keep=tid):

@@ -161,12 +161,11 @@ class SimReplica:
                 heapq.heappop(self.waiting)
             elif self._holds:
                 # A trajectory whose context is held here goes ahead of a head that
-                # does not fit; else a hold gives way to a head of higher priority, or
-                # to a held trajectory's turn when nothing else would run; else the
-                # head waits for room (module docstring).
+                # does not fit; else, when nothing else would run, a hold gives way to
+                # a held trajectory's turn; else the head waits for room.
                 got = self._admit_held(budget, now)
                 if got is None:
-                    if self._yield_hold(seq, not prefills and not decodes, now):
+                    if not prefills and not decodes and self._yield_hold(now):
                         continue
                     break
                 seq, n = got
@@ -294,27 +293,22 @@ class SimReplica:
                 self._release_hold(tid, now)
         self._hold_next = min((h[1] for h in self._holds.values()), default=float("inf"))
 
-    def _break_hold(self, now: float, keep: str | None = None,
-                    below: float | None = None) -> bool:
+    def _break_hold(self, now: float, keep: str | None = None) -> bool:
         """Releases a hold to make room: the lowest priority, then soonest expiring,
-        other than ``keep``'s and (with ``below``) of priority below it; False if none."""
+        other than ``keep``'s; False if none."""
         holds = self._holds
-        cands = [t for t in holds if t != keep and (below is None or holds[t][2] < below)]
+        cands = [t for t in holds if t != keep]
         if not cands:
             return False
         self._release_hold(min(cands, key=lambda t: (holds[t][2], holds[t][1])), now)
         self.stats.holds_broken += 1
         return True
 
-    def _yield_hold(self, head: SimSeq, idle: bool, now: float) -> bool:
-        """After ``head`` (and every held trajectory's turn) failed to fit: releases a
-        hold of lower priority than ``head``'s or, when the step would run nothing
-        (``idle``) and a held trajectory's turn waits, another hold than its own;
-        True if one was released."""
-        if self._break_hold(now, below=head.priority):
-            return True
-        if not idle:
-            return False
+    def _yield_hold(self, now: float) -> bool:
+        """When the step would run nothing and a held trajectory's turn waits for room:
+        releases another hold than its own; True if one was released. (A request
+        without a hold waits instead, whatever its priority: breaking a hold to let it
+        in costs the held trajectory its context, and on long contexts that thrashes.)"""
         for _, seq in sorted(self.waiting):
             tid = seq.request.trajectory_id
             if tid in self._holds and self._break_hold(now, keep=tid):
