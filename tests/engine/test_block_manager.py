@@ -672,7 +672,7 @@ def test_block_manager_state_machine() -> None:
     run_state_machine_as_test(
         BlockManagerMachine,
         settings=settings(
-            max_examples=100,
+            max_examples=200,
             stateful_step_count=40,
             deadline=None,
             derandomize=True,
