@@ -106,6 +106,12 @@ class RLStepRequest(ForbidExtra):
     rl_step: StrictInt
 
 
+class TrajectoryFinishRequest(ForbidExtra):
+    """An ended trajectory (``POST /v1/trajectories/finish``)."""
+
+    trajectory_id: StrictStr
+
+
 class HistoryRequest(ForbidExtra):
     """``{token_ids, group_id}`` (one response) or ``{items: [...]}`` (several)."""
 

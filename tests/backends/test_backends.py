@@ -67,9 +67,9 @@ def req(rid: str, prompt: tuple[int, ...] = (5, 6, 7, 8), sampling: SamplingPara
     return GenRequest(request_id=rid, prompt_ids=prompt, sampling=sampling, **kw)
 
 
-def tiny_engine() -> Engine:
+def tiny_engine(config: EngineConfig = ENGINE_CONFIG) -> Engine:
     model = init_random(ModelConfig.from_dict(TINY), seed=0, dtype=torch.float32)
-    return Engine(model, ENGINE_CONFIG)
+    return Engine(model, config)
 
 
 @pytest.fixture(scope="module")
@@ -1043,3 +1043,63 @@ def test_ray_actors_generate_concurrently_and_death_is_unavailable(tmp_path: Pat
         with contextlib.suppress(Exception):
             run(close_all(), timeout_s=20)
         ray.shutdown()
+
+
+# ---------------------------------------------------------------- ended trajectories
+
+
+def test_router_tells_the_replica_that_a_trajectory_ended() -> None:
+    """The router sends ``finish_trajectory`` to the replica that served the last turn
+    (in process and over HTTP), which frees the KV it held for a next turn."""
+    from war.router.policies import make_policy
+    from war.router.router import Router
+
+    cfg = EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=256,
+                       kv_hold_s=60.0)
+    engines = [AsyncEngine(tiny_engine(cfg)), AsyncEngine(tiny_engine(cfg))]
+    for ae in engines:
+        ae.start()
+    local = InProcessBackend("local", engines[0])
+    remote = asgi_backend(create_app(engines[1], model_name="tiny"))
+    remote.name = "remote"
+
+    async def held(i: int) -> int:
+        return await engines[i].call(lambda e: e.scheduler.num_held)  # type: ignore[attr-defined]
+
+    async def go() -> None:
+        for backend, i in ((local, 0), (remote, 1)):
+            router = Router([backend], make_policy("round_robin"))
+            await router.generate(req(f"t{i}", (5, 6, 7, 8, 9, 10, 11, 12, 13),
+                                      trajectory_id=f"traj{i}"))
+            assert await held(i) == 1
+            assert router.finish_trajectory(f"traj{i}")
+            for _ in range(200):  # the release is sent in the background
+                if await held(i) == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert await held(i) == 0 and router.stats.trajectories_released == 1
+            # unknown or repeated: nothing held, nothing sent
+            assert not router.finish_trajectory(f"traj{i}")
+            assert await backend.finish_trajectory("nobody") is False
+        with pytest.raises(ValueError, match="trajectory_id"):
+            await remote.finish_trajectory("")
+        for ae in engines:
+            await ae.close()
+
+    run(go())
+
+
+def test_finish_endpoint_refuses_bad_bodies(async_engine: AsyncEngine) -> None:
+    app = create_app(async_engine, model_name="tiny")
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://replica") as client:
+            for body in ({}, {"trajectory_id": ""}, {"trajectory_id": 3},
+                         {"trajectory_id": "t", "extra": 1}):
+                r = await client.post("/v1/trajectories/finish", json=body)
+                assert r.status_code in (400, 422), (body, r.status_code)
+            r = await client.post("/v1/trajectories/finish", json={"trajectory_id": "t"})
+            assert r.status_code == 200 and r.json() == {"trajectory_id": "t", "held": False}
+
+    run(go())

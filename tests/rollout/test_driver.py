@@ -147,6 +147,35 @@ def test_episodes_that_end_are_reported_to_a_router() -> None:
     assert all(replica.finished_at[tid] > i for tid, i in last.items())
 
 
+class AsyncFinishingReplica(ScriptedReplica):
+    """A scripted replica whose reports are coroutines (as replica backends' are);
+    with ``fail``, every report raises."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+        self.finished: list[str] = []
+
+    async def finish_trajectory(self, trajectory_id: str) -> bool:
+        await asyncio.sleep(0)
+        if self.fail:
+            raise ConnectionError("replica went away")
+        self.finished.append(trajectory_id)
+        return True
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_episodes_that_end_are_reported_to_a_replica_backend(fail: bool) -> None:
+    tasks = sample_tasks("calculator", 2, 3)
+    replica = AsyncFinishingReplica(fail)
+    for t in tasks:
+        for g in range(2):
+            replica.script(trajectory_id(0, t.task_id, g), t)
+    out = run_step(tasks, [replica], IO, RolloutConfig(group_size=2))
+    assert all(t.reward == 1.0 for t in out)  # a failed report loses nothing
+    assert sorted(replica.finished) == ([] if fail else sorted(t.trajectory_id for t in out))
+
+
 class BrokenReplica:
     async def generate(self, req: GenRequest) -> GenResult:
         raise ConnectionError("replica died")

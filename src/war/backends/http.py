@@ -135,6 +135,15 @@ class WarHttpBackend:
         if payload:
             await self._http.post_json("/v1/history", {"items": payload}, self.name)
 
+    async def finish_trajectory(self, trajectory_id: str) -> bool:
+        """The trajectory ended: the replica frees KV it holds for it
+        (``POST /v1/trajectories/finish``); returns whether it held any."""
+        if not isinstance(trajectory_id, str) or not trajectory_id:
+            raise ValueError(f"trajectory_id must be a non-empty string, got {trajectory_id!r}")
+        body = await self._http.post_json("/v1/trajectories/finish",
+                                          {"trajectory_id": trajectory_id}, self.name)
+        return bool(body.get("held", False)) if isinstance(body, dict) else False
+
     async def observe_rl_step(self, rl_step: int) -> None:
         """Tells the replica that RL step ``rl_step`` began (its draft history window
         slides); ``ValueError`` if the replica refuses the step (e.g. it went back)."""

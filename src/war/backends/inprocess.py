@@ -57,6 +57,14 @@ class InProcessBackend:
     async def health(self) -> bool:
         return self.async_engine.is_running
 
+    async def finish_trajectory(self, trajectory_id: str) -> bool:
+        """The trajectory ended: the engine frees KV it holds for it."""
+        try:
+            return await self._started().call(
+                lambda engine: engine.finish_trajectory(trajectory_id))
+        except EngineClosedError as e:
+            raise ReplicaUnavailable(f"{self.name}: {e}") from e
+
     async def add_history(self, items: Sequence[tuple[Sequence[int], str | None]]) -> None:
         batch = [(list(ids), group) for ids, group in items if len(ids) > 0]
         if not batch:

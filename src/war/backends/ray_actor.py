@@ -95,6 +95,12 @@ class EngineActor:
             return _REFUSED, str(e)
         return _OK, ""
 
+    async def finish_trajectory(self, trajectory_id: str) -> tuple[str, bool | str]:
+        try:
+            return _OK, await self._engine.finish_trajectory(trajectory_id)
+        except EngineClosedError as e:
+            return _UNAVAILABLE, str(e)
+
     async def close(self) -> None:
         await self._engine.close()
 
@@ -189,6 +195,12 @@ class RayEngineBackend:
         if batch:
             answer = await self._call("add_history", batch, timeout_s=self.timeout_s)
             _unwrap(self.name, answer)
+
+    async def finish_trajectory(self, trajectory_id: str) -> bool:
+        """The trajectory ended: the actor's engine frees KV it holds for it."""
+        answer = await self._call("finish_trajectory", trajectory_id,
+                                  timeout_s=self.health_timeout_s)
+        return bool(_unwrap(self.name, answer))
 
     async def close(self) -> None:
         if not self.owns_actor:

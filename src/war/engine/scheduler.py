@@ -25,10 +25,11 @@ hold gives way). Any other request waits, whatever its priority: when held
 contexts leave too little room for anything waiting, nothing runs until one is
 taken over or expires (``hold_expiry``), as recomputing a long context costs
 more than waiting out a tool call (breaking holds for higher-priority requests
-was measured to thrash on long contexts: docs/sim.md). With ``admit_whole_prompt`` a waiting sequence is
-admitted only when the blocks of its whole prefill are available beyond what
-admitted prefills still need, so a long prompt never preempts running sequences
-chunk by chunk. Time is the ``now`` passed in.
+was measured to thrash on long contexts: docs/sim.md). With
+``admit_whole_prompt`` a waiting sequence is admitted only when the blocks of its
+whole prefill are available beyond what admitted prefills still need, so a long
+prompt never preempts running sequences chunk by chunk. Time is the ``now``
+passed in.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ prompts first; strings when the engine has a tokenizer) and WAR's extensions
 field maps to a ``GenRequest``, how mistakes are reported (a 4xx with an
 OpenAI-style ``{"error": {...}}`` body; the server keeps serving), the side
 endpoints (``/health``, ``/v1/models``, ``/v1/load``, ``/v1/history``,
-``/metrics``), bearer-token auth, and that a request whose client hung up is
-aborted in the engine.
+``/v1/rl_step``, ``/v1/trajectories/finish``, ``/metrics``), bearer-token auth,
+and that a request whose client hung up is aborted in the engine.
 
 Does not know how generation works (``AsyncEngine`` drives the ``Engine``), how
 metrics are named (``war.engine.metrics``), or how the process is started
@@ -38,6 +38,7 @@ from war.api import (
     HistoryItem,
     HistoryRequest,
     RLStepRequest,
+    TrajectoryFinishRequest,
     WeightsRequest,
     error_response,
     finite_logprob,
@@ -385,6 +386,18 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
         except EngineClosedError as e:
             raise APIError(503, str(e), "server_error", "engine_closed") from None
         return {"status": "ok", "rl_step": body.rl_step}
+
+    @app.post("/v1/trajectories/finish")
+    async def finish_trajectory(body: TrajectoryFinishRequest) -> dict[str, Any]:
+        """The trajectory ended: KV held for its next turn is freed
+        (``EngineConfig.kv_hold_s``)."""
+        if not body.trajectory_id:
+            raise APIError(400, "trajectory_id must not be empty", param="trajectory_id")
+        try:
+            held = await async_engine.finish_trajectory(body.trajectory_id)
+        except EngineClosedError as e:
+            raise APIError(503, str(e), "server_error", "engine_closed") from None
+        return {"trajectory_id": body.trajectory_id, "held": held}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -23,6 +23,8 @@ policy, as real agent frameworks do.
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +38,8 @@ from war.rollout.envs import Environment, Task, ToolError
 from war.rollout.toolcalls import format_tool_response, parse_tool_calls
 from war.rollout.trajectory import Trajectory, TrajectoryBuilder
 from war.types import GenRequest, GenResult, SamplingParams, UnknownTrajectory
+
+log = logging.getLogger(__name__)
 
 
 class Replica(Protocol):
@@ -204,8 +208,15 @@ async def run_episode(
         messages.extend(observations)
     end = clock()
     finish_trajectory = getattr(replica, "finish_trajectory", None)
-    if callable(finish_trajectory):  # a router: its policy learns the episode's length
-        finish_trajectory(trajectory_id)
+    if callable(finish_trajectory):
+        # A router (its policy learns the episode's length; it tells the replica) or a
+        # replica backend (it frees KV held for a next turn, EngineConfig.kv_hold_s).
+        done = finish_trajectory(trajectory_id)
+        if inspect.isawaitable(done):
+            try:
+                await done
+            except Exception as exc:  # an optimization: the replica's hold expires anyway
+                log.debug("finishing trajectory %s failed: %r", trajectory_id, exc)
     spec = {
         "draft_tokens": float(c.draft), "accepted_tokens": float(c.accepted),
         "forward_passes": float(c.passes),

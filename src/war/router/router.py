@@ -90,6 +90,7 @@ class RouterStats:
     retries: int = 0
     migrations: int = 0
     resent_contexts: int = 0
+    trajectories_released: int = 0  # ended trajectories reported to their replica
     replicas_marked_down: int = 0
     history_forwarded: int = 0
     per_replica: dict[str, int] = field(default_factory=dict)
@@ -118,6 +119,8 @@ class Router:
         self._clock = clock
         self.stats = RouterStats(per_replica=dict.fromkeys(self.replicas, 0))
         self._contexts: OrderedDict[str, list[int]] = OrderedDict()
+        # trajectory -> the replica that served its last turn (it may hold its KV)
+        self._homes: OrderedDict[str, str] = OrderedDict()
         self._health_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         # history waiting to be forwarded, per replica, and whether a flush is due
@@ -228,22 +231,49 @@ class Router:
             self.stats.per_replica[name] = self.stats.per_replica.get(name, 0) + 1
             self.policy.on_complete(request, result, name, self._clock())
             self._remember(request, full, result)
+            if request.trajectory_id is not None:
+                homes = self._homes
+                homes[request.trajectory_id] = name
+                homes.move_to_end(request.trajectory_id)
+                while len(homes) > self.config.max_trajectories:
+                    homes.popitem(last=False)
             if self.config.share_history and request.group_id is not None:
                 self._share(name, result, request.group_id)
             return result, name
 
     def finish_trajectory(self, trajectory_id: str) -> bool:
         """The trajectory ended (the rollout driver knows; otherwise the policy infers it
-        from idleness): its held context is dropped and the policy, if it takes such
-        reports, counts it among its group's finished samples. Returns whether the
-        router held anything of it."""
+        from idleness): its held context is dropped, the policy, if it takes such
+        reports, counts it among its group's finished samples, and the replica that
+        served its last turn is told in the background (backends with a
+        ``finish_trajectory``), so that KV it holds for a next turn is freed. Returns
+        whether the router held anything of it."""
         if not isinstance(trajectory_id, str) or not trajectory_id:
             raise ValueError(f"trajectory_id must be a non-empty string, got {trajectory_id!r}")
         held = self._contexts.pop(trajectory_id, None) is not None
         finish = getattr(self.policy, "finish_trajectory", None)
         if callable(finish):
             finish(trajectory_id, self._clock())
+        home = self._homes.pop(trajectory_id, None)
+        rep = self.replicas.get(home) if home is not None else None
+        release = getattr(rep.backend, "finish_trajectory", None) if rep is not None else None
+        if rep is not None and rep.healthy and callable(release):
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                pass  # no event loop to send it from: the replica's hold expires by itself
+            else:
+                self._spawn(self._release(rep, trajectory_id))
         return held
+
+    async def _release(self, rep: _Replica, trajectory_id: str) -> None:
+        """Tells the replica that served the trajectory's last turn that it ended, so
+        that KV it holds for a next turn is freed (``EngineConfig.kv_hold_s``)."""
+        try:
+            await rep.backend.finish_trajectory(trajectory_id)  # type: ignore[attr-defined]
+            self.stats.trajectories_released += 1
+        except Exception as exc:  # an optimization: the hold expires anyway
+            log.debug("finishing %s on %s failed: %r", trajectory_id, rep.backend.name, exc)
 
     async def _send(self, rep: _Replica, request: GenRequest, full: list[int] | None) -> GenResult:
         try:
