@@ -123,17 +123,22 @@ def test_a_request_of_higher_priority_waits_too(model64: CausalLM) -> None:
     assert eng.scheduler.num_holds_broken == 0 and eng.scheduler.num_held == 1
 
 
-def test_a_held_turn_that_cannot_fit_takes_another_hold(model64: CausalLM) -> None:
+def test_a_held_turn_that_cannot_fit_waits_for_another_hold(model64: CausalLM) -> None:
     eng, clock = make(model64, hold=10.0)
     first = eng.generate([GenRequest("t0", PROMPT_T, SP, trajectory_id="t")])[0]  # 8 held
+    clock.now = 5.0
     eng.generate([GenRequest("u0", tuple(range(40, 62)), SP, trajectory_id="u")])  # 6 held
-    # "t"'s next turn needs 4 more blocks, 2 are free and nothing else would run:
-    # "u"'s hold gives way rather than waiting for it to expire.
+    # "t"'s next turn needs 4 more blocks and 2 are free: it waits for a hold to end
+    # (the first expires at 10 s), rather than evicting "u"'s context.
     turn2 = PROMPT_T + first.output_ids + tuple(range(80, 90))
     eng.add_request(GenRequest("t1", turn2, SP, trajectory_id="t"))
+    assert drain(eng, clock) == {}
+    assert eng.wait_s() == pytest.approx(10.0 - clock.now, abs=0.01)
+    # "u" ends: its blocks are free, and "t1" runs on its whole held context.
+    assert eng.finish_trajectory("u")
     done = drain(eng, clock)
     assert set(done) == {"t1"} and done["t1"].num_cached_tokens == 32
-    assert eng.scheduler.num_holds_broken == 1
+    assert eng.scheduler.num_holds_broken == 0
 
 
 def test_generate_does_not_wait_for_holds(model64: CausalLM) -> None:

@@ -18,14 +18,13 @@ comes back after a tool call) for up to ``kv_hold_s`` seconds, so that other
 requests cannot evict them meanwhile. The next turn takes them over; a waiting
 turn whose context is held goes ahead of a head of the queue that does not fit.
 A hold ends when taken over, when it expires, when the trajectory is finished
-(``release_hold``), when a running sequence needs its blocks (holds give way,
-lowest priority then soonest expiring first, before anyone is preempted), or
-when nothing would run and a held trajectory's turn waits for room (another
-hold gives way). Any other request waits, whatever its priority: when held
+(``release_hold``), or when a running sequence needs its blocks (holds give
+way, lowest priority then soonest expiring first, before anyone is preempted).
+Waiting requests never break a hold, whatever their priority: when held
 contexts leave too little room for anything waiting, nothing runs until one is
 taken over or expires (``hold_expiry``), as recomputing a long context costs
-more than waiting out a tool call (breaking holds for higher-priority requests
-was measured to thrash on long contexts: docs/sim.md). With
+more than waiting out a tool call (breaking holds for waiting requests was
+measured to thrash on long contexts: docs/sim.md). With
 ``admit_whole_prompt`` a waiting sequence is admitted only when the blocks of its
 whole prefill are available beyond what admitted prefills still need, so a long
 prompt never preempts running sequences chunk by chunk. Time is the ``now``
@@ -132,8 +131,6 @@ class Scheduler:
             else:
                 got = self._admit_held(budget, now) if self._holds else None
                 if got is None:
-                    if self._holds and out.is_empty and self._yield_hold():
-                        continue
                     break
                 seq, n = got
             self.running.append(seq)
@@ -320,27 +317,15 @@ class Scheduler:
         self._release_hold(trajectory_id)
         return True
 
-    def break_hold(self, keep: str | None = None) -> bool:
-        """Releases a hold to make room: the lowest priority, then soonest expiring,
-        other than ``keep``'s; False if none."""
+    def break_hold(self) -> bool:
+        """Releases a hold to make room: the lowest priority, then soonest expiring;
+        False if none."""
         holds = self._holds
-        cands = [t for t in holds if t != keep]
-        if not cands:
+        if not holds:
             return False
-        self._release_hold(min(cands, key=lambda t: (holds[t][2], holds[t][1])))
+        self._release_hold(min(holds, key=lambda t: (holds[t][2], holds[t][1])))
         self.num_holds_broken += 1
         return True
-
-    def _yield_hold(self) -> bool:
-        """When the step would run nothing and a held trajectory's turn waits for room:
-        releases another hold than its own; True if one was released. (A request
-        without a hold waits instead, whatever its priority: breaking a hold to let it
-        in costs the held trajectory its context, and on long contexts that thrashes.)"""
-        for _, seq in sorted(self._waiting, key=lambda e: e[0]):
-            tid = seq.request.trajectory_id
-            if tid in self._holds and self.break_hold(keep=tid):
-                return True
-        return False
 
     def _release_hold(self, tid: str) -> None:
         blocks, _, _ = self._holds.pop(tid)

@@ -13,6 +13,14 @@ and the step's duration. Does not know routing, trajectories beyond one turn, or
 wall clock: ``start_step(now)`` plans and returns how long until the step ends,
 ``finish_step(now)`` applies it.
 
+KV holds (``kv_hold_s``) and whole-prompt admission (``admit_whole_prompt``) follow
+the engine's scheduler (``war.engine.scheduler``): a finished turn's context stays
+pinned for its trajectory's next turn, which goes ahead of a head of the queue that
+does not fit; holds give way only to running sequences (before anyone is
+preempted), expire, or end with the trajectory (``finish_trajectory``); when they
+leave no room for anything waiting, ``start_step`` returns None and the replica
+waits for a next turn or for ``hold_expiry``.
+
 Simplifications (docs/sim.md): a prompt is cached when its prefill completes and a
 context when its turn ends (the engine publishes every full block after each step).
 ``max_coalesced_steps`` > 1 (cluster scale) runs up to that many consecutive steps
@@ -161,12 +169,9 @@ class SimReplica:
                 heapq.heappop(self.waiting)
             elif self._holds:
                 # A trajectory whose context is held here goes ahead of a head that
-                # does not fit; else, when nothing else would run, a hold gives way to
-                # a held trajectory's turn; else the head waits for room.
+                # does not fit; else the head waits for room (module docstring).
                 got = self._admit_held(budget, now)
                 if got is None:
-                    if not prefills and not decodes and self._yield_hold(now):
-                        continue
                     break
                 seq, n = got
             else:
@@ -293,27 +298,15 @@ class SimReplica:
                 self._release_hold(tid, now)
         self._hold_next = min((h[1] for h in self._holds.values()), default=float("inf"))
 
-    def _break_hold(self, now: float, keep: str | None = None) -> bool:
-        """Releases a hold to make room: the lowest priority, then soonest expiring,
-        other than ``keep``'s; False if none."""
+    def _break_hold(self, now: float) -> bool:
+        """Releases a hold to make room for a running sequence: the lowest priority,
+        then soonest expiring; False if none."""
         holds = self._holds
-        cands = [t for t in holds if t != keep]
-        if not cands:
+        if not holds:
             return False
-        self._release_hold(min(cands, key=lambda t: (holds[t][2], holds[t][1])), now)
+        self._release_hold(min(holds, key=lambda t: (holds[t][2], holds[t][1])), now)
         self.stats.holds_broken += 1
         return True
-
-    def _yield_hold(self, now: float) -> bool:
-        """When the step would run nothing and a held trajectory's turn waits for room:
-        releases another hold than its own; True if one was released. (A request
-        without a hold waits instead, whatever its priority: breaking a hold to let it
-        in costs the held trajectory its context, and on long contexts that thrashes.)"""
-        for _, seq in sorted(self.waiting):
-            tid = seq.request.trajectory_id
-            if tid in self._holds and self._break_hold(now, keep=tid):
-                return True
-        return False
 
     @property
     def hold_expiry(self) -> float:
