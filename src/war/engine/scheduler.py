@@ -19,7 +19,7 @@ requests cannot evict them meanwhile. The next turn takes them over; a waiting
 turn whose context is held goes ahead of a head of the queue that does not fit.
 A hold ends when taken over, when it expires, when the trajectory is finished
 (``release_hold``), or when a running sequence needs its blocks (holds give
-way, lowest priority then soonest expiring first, before anyone is preempted).
+way, soonest expiring first, before anyone is preempted).
 Waiting requests never break a hold, whatever their priority: when held
 contexts leave too little room for anything waiting, nothing runs until one is
 taken over or expires (``hold_expiry``), as recomputing a long context costs
@@ -71,8 +71,8 @@ class Scheduler:
         self._waiting: list[tuple[tuple[float, int], Sequence]] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # trajectory id -> (blocks held for its next turn, expiry, its last priority)
-        self._holds: dict[str, tuple[list[int], float, float]] = {}
+        # trajectory id -> (blocks held for its next turn, expiry time)
+        self._holds: dict[str, tuple[list[int], float]] = {}
         self.num_holds = 0  # turns whose context was held
         self.num_holds_used = 0  # next turns that took their held context over
         self.num_holds_broken = 0  # holds released early to make room
@@ -272,7 +272,7 @@ class Scheduler:
             if kept and tid is not None:
                 if tid in self._holds:
                     self._release_hold(tid)
-                self._holds[tid] = (seq.block_table[:kept], now + self.kv_hold_s, seq.priority)
+                self._holds[tid] = (seq.block_table[:kept], now + self.kv_hold_s)
                 self.num_holds += 1
             else:
                 kept = 0
@@ -306,7 +306,7 @@ class Scheduler:
         return min((h[1] for h in self._holds.values()), default=None)
 
     def expire_holds(self, now: float) -> None:
-        for tid, (_, until, _) in list(self._holds.items()):
+        for tid, (_, until) in list(self._holds.items()):
             if until <= now:
                 self._release_hold(tid)
 
@@ -318,17 +318,17 @@ class Scheduler:
         return True
 
     def break_hold(self) -> bool:
-        """Releases a hold to make room: the lowest priority, then soonest expiring;
-        False if none."""
+        """Releases a hold to make room: the one that expires first (its trajectory
+        has been away longest); False if none."""
         holds = self._holds
         if not holds:
             return False
-        self._release_hold(min(holds, key=lambda t: (holds[t][2], holds[t][1])))
+        self._release_hold(min(holds, key=lambda t: holds[t][1]))
         self.num_holds_broken += 1
         return True
 
     def _release_hold(self, tid: str) -> None:
-        blocks, _, _ = self._holds.pop(tid)
+        blocks, _ = self._holds.pop(tid)
         self.blocks.release(blocks)
 
     def _blocks_for(self, num_tokens: int) -> int:

@@ -73,8 +73,7 @@ class SimReplica:
         self._done: list[SimSeq] = []  # turns completed by coalesced steps
         self._preempted: set[int] = set()  # ids preempted while planning this step
         self._step_no = 0
-        # trajectory -> (its pinned context, expiry, priority of its last turn)
-        self._holds: dict[str, tuple[Node, float, float]] = {}
+        self._holds: dict[str, tuple[Node, float]] = {}  # trajectory -> (pinned, until)
         self._hold_next = float("inf")  # earliest expiry of a hold
 
     def submit(self, seq: SimSeq) -> None:
@@ -282,29 +281,29 @@ class SimReplica:
         if tid in self._holds:
             self._release_hold(tid, now)
         until = now + self.config.kv_hold_s
-        self._holds[tid] = (self.kv.lock(node, len(node.key)), until, seq.priority)
+        self._holds[tid] = (self.kv.lock(node, len(node.key)), until)
         self._hold_next = min(self._hold_next, until)
         self.stats.holds += 1
 
     def _release_hold(self, tid: str, now: float) -> None:
-        node, _, _ = self._holds.pop(tid)
+        node, _ = self._holds.pop(tid)
         self.kv.unlock(node, now)
         if not self._holds:
             self._hold_next = float("inf")
 
     def _expire(self, now: float) -> None:
-        for tid, (_, until, _) in list(self._holds.items()):
+        for tid, (_, until) in list(self._holds.items()):
             if until <= now:
                 self._release_hold(tid, now)
         self._hold_next = min((h[1] for h in self._holds.values()), default=float("inf"))
 
     def _break_hold(self, now: float) -> bool:
-        """Releases a hold to make room for a running sequence: the lowest priority,
-        then soonest expiring; False if none."""
+        """Releases a hold to make room for a running sequence: the one that expires
+        first (its trajectory has been away longest); False if none."""
         holds = self._holds
         if not holds:
             return False
-        self._release_hold(min(holds, key=lambda t: (holds[t][2], holds[t][1])), now)
+        self._release_hold(min(holds, key=lambda t: holds[t][1]), now)
         self.stats.holds_broken += 1
         return True
 
