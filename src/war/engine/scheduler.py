@@ -114,7 +114,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = 1 if seq.is_decoding else min(seq.num_pending, budget)
-            if not self._ensure_slots(seq, seq.num_computed + n, scheduled, out, now):
+            if not self._ensure_slots(seq, seq.num_computed + n, scheduled, out):
                 continue  # it was preempted itself
             scheduled.add(id(seq))
             budget -= n
@@ -125,11 +125,11 @@ class Scheduler:
         # Then admit waiting sequences while the budget and the blocks allow.
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][1]
-            n = self._admit(seq, budget, now)
+            n = self._admit(seq, budget)
             if n:
                 heapq.heappop(self._waiting)
             else:
-                got = self._admit_held(budget, now) if self._holds else None
+                got = self._admit_held(budget) if self._holds else None
                 if got is None:
                     break
                 seq, n = got
@@ -140,7 +140,7 @@ class Scheduler:
         self.blocked = out.is_empty and bool(self._waiting) and bool(self._holds)
         return out
 
-    def _admit(self, seq: Sequence, budget: int, now: float) -> int:
+    def _admit(self, seq: Sequence, budget: int) -> int:
         """Gives a waiting sequence its cached prefix and blocks for its first
         chunk; returns the chunk length (0: not now, nothing changed)."""
         first = seq.num_preemptions == 0 and seq.num_output == 0
@@ -148,12 +148,11 @@ class Scheduler:
         self.blocks.acquire(match.block_ids)
         n = min(seq.num_tokens - match.num_tokens, budget)
         need = self._blocks_for(match.num_tokens + n) - len(match.block_ids)
-        if self.admit_whole_prompt:
-            need_all = self._blocks_for(seq.num_tokens + 1) - len(match.block_ids)
-            if not self.blocks.can_allocate(max(need, need_all + self._reserved())):
-                self.blocks.release(match.block_ids)
-                return 0
-        if not self.blocks.can_allocate(need):
+        required = need
+        if self.admit_whole_prompt:  # the whole prefill, beyond what admitted ones need
+            whole = self._blocks_for(seq.num_tokens + 1) - len(match.block_ids)
+            required = max(need, whole + self._reserved())
+        if not self.blocks.can_allocate(required):
             self.blocks.release(match.block_ids)
             return 0
         tid = seq.request.trajectory_id
@@ -176,13 +175,13 @@ class Scheduler:
                 total += max(self._blocks_for(s.num_tokens + 1) - len(s.block_table), 0)
         return total
 
-    def _admit_held(self, budget: int, now: float) -> tuple[Sequence, int] | None:
+    def _admit_held(self, budget: int) -> tuple[Sequence, int] | None:
         """Admits the first waiting sequence (in queue order) whose trajectory's
         context is held here, if it fits; returns it and its chunk."""
         holds = self._holds
         for key, seq in sorted((e for e in self._waiting
                                 if e[1].request.trajectory_id in holds), key=lambda e: e[0]):
-            n = self._admit(seq, budget, now)
+            n = self._admit(seq, budget)
             if n:
                 self._waiting.remove((key, seq))
                 heapq.heapify(self._waiting)
@@ -190,8 +189,7 @@ class Scheduler:
         return None
 
     def _ensure_slots(
-        self, seq: Sequence, num_tokens: int, scheduled: set[int], out: SchedulerOutput,
-        now: float = 0.0,
+        self, seq: Sequence, num_tokens: int, scheduled: set[int], out: SchedulerOutput
     ) -> bool:
         """Allocates blocks so ``seq`` has slots for ``num_tokens`` tokens,
         releasing holds, then preempting lower-priority unscheduled sequences (or
@@ -268,14 +266,14 @@ class Scheduler:
         if seq.status is SeqStatus.RUNNING:
             self.publish(seq)
             tid = seq.request.trajectory_id
-            kept = seq.num_published_blocks if hold and self.kv_hold_s > 0 else 0
-            if kept and tid is not None:
+            held = hold and tid is not None and self.kv_hold_s > 0
+            kept = seq.num_published_blocks if held else 0
+            if kept:
+                assert tid is not None
                 if tid in self._holds:
                     self._release_hold(tid)
                 self._holds[tid] = (seq.block_table[:kept], now + self.kv_hold_s)
                 self.num_holds += 1
-            else:
-                kept = 0
             self.blocks.release(seq.block_table[kept:])
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -232,11 +232,7 @@ class Router:
             self.policy.on_complete(request, result, name, self._clock())
             self._remember(request, full, result)
             if request.trajectory_id is not None:
-                homes = self._homes
-                homes[request.trajectory_id] = name
-                homes.move_to_end(request.trajectory_id)
-                while len(homes) > self.config.max_trajectories:
-                    homes.popitem(last=False)
+                self._put_recent(self._homes, request.trajectory_id, name)
             if self.config.share_history and request.group_id is not None:
                 self._share(name, result, request.group_id)
             return result, name
@@ -263,17 +259,19 @@ class Router:
             except RuntimeError:
                 pass  # no event loop to send it from: the replica's hold expires by itself
             else:
-                self._spawn(self._release(rep, trajectory_id))
+                self._spawn(self._release(release, rep.backend.name, trajectory_id))
         return held
 
-    async def _release(self, rep: _Replica, trajectory_id: str) -> None:
-        """Tells the replica that served the trajectory's last turn that it ended, so
-        that KV it holds for a next turn is freed (``EngineConfig.kv_hold_s``)."""
+    async def _release(self, release: Callable[[str], Awaitable[bool]], name: str,
+                       trajectory_id: str) -> None:
+        """Tells the replica that served the trajectory's last turn that it ended
+        (``release``: its backend's ``finish_trajectory``), so that KV it holds for a
+        next turn is freed (``EngineConfig.kv_hold_s``)."""
         try:
-            await rep.backend.finish_trajectory(trajectory_id)  # type: ignore[attr-defined]
+            await release(trajectory_id)
             self.stats.trajectories_released += 1
         except Exception as exc:  # an optimization: the hold expires anyway
-            log.debug("finishing %s on %s failed: %r", trajectory_id, rep.backend.name, exc)
+            log.debug("finishing %s on %s failed: %r", trajectory_id, name, exc)
 
     async def _send(self, rep: _Replica, request: GenRequest, full: list[int] | None) -> GenResult:
         try:
@@ -303,10 +301,15 @@ class Router:
         if full is None:
             self._contexts.pop(tid, None)
             return
-        self._contexts[tid] = full + list(result.output_ids)
-        self._contexts.move_to_end(tid)
-        while len(self._contexts) > self.config.max_trajectories:
-            self._contexts.popitem(last=False)
+        self._put_recent(self._contexts, tid, full + list(result.output_ids))
+
+    def _put_recent(self, table: OrderedDict[str, Any], tid: str, value: Any) -> None:
+        """Sets a trajectory's entry as the most recent one, keeping at most
+        ``max_trajectories`` (least recently set dropped)."""
+        table[tid] = value
+        table.move_to_end(tid)
+        while len(table) > self.config.max_trajectories:
+            table.popitem(last=False)
 
     def _share(self, source: str, result: GenResult, group_id: str) -> None:
         if not result.output_ids:
