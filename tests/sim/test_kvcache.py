@@ -35,11 +35,10 @@ def test_match_is_whole_blocks_and_capped() -> None:
     kv = PrefixKV(64, 4)
     kv.insert(toks((0, 10)), now=0.0)  # 2 whole blocks cached, the last 2 tokens not
     assert kv.cached_blocks == 2
-    n, _, _ = kv.match(toks((0, 10)))
-    assert n == 8
-    assert kv.match(toks((0, 8)), limit=7)[0] == 4  # at most limit tokens, whole blocks
-    assert kv.match(toks((0, 6), (99, 4)))[0] == 4  # diverges inside the second block
-    assert kv.match(toks((50, 8)))[0] == 0
+    assert kv.match(toks((0, 10))).tokens == 8
+    assert kv.match(toks((0, 8)), limit=7).tokens == 4  # at most limit tokens, whole blocks
+    assert kv.match(toks((0, 6), (99, 4))).tokens == 4  # diverges inside the second block
+    assert kv.match(toks((50, 8))).tokens == 0
     check(kv)
 
 
@@ -55,9 +54,9 @@ def test_shared_prefix_is_stored_once_and_split_on_divergence() -> None:
 def test_lock_pins_exactly_the_matched_blocks() -> None:
     kv = PrefixKV(8, 4)
     kv.insert(toks((0, 16)), 0.0)
-    n, node, used = kv.match(toks((0, 8), (77, 8)))
-    assert n == 8
-    pinned = kv.lock(node, used)
+    m = kv.match(toks((0, 8), (77, 8)))
+    assert m.tokens == 8
+    pinned = kv.lock(m.node, m.used)
     assert len(pinned.key) == 8 and kv.locked_blocks == 2
     assert kv.available_blocks == 8 - 2
     assert kv.allocate(6)  # evicts the unpinned tail (2 blocks) to make room
@@ -76,7 +75,7 @@ def test_eviction_is_least_recently_used_leaf_first() -> None:
     kv.insert(toks((200, 8)), 2.0)
     assert kv.allocate(2)  # the oldest entry goes
     assert old.parent is None
-    assert kv.match(toks((100, 8)))[0] == 8 and kv.match(toks((200, 8)))[0] == 8
+    assert kv.match(toks((100, 8))).tokens == 8 and kv.match(toks((200, 8))).tokens == 8
     check(kv)
 
 
@@ -86,7 +85,7 @@ def test_touching_an_entry_protects_it() -> None:
     kv.insert(toks((100, 8)), 1.0)
     kv.insert(toks((0, 8)), 2.0)  # used again: now the newest
     assert kv.allocate(2)
-    assert kv.match(toks((0, 8)))[0] == 8 and kv.match(toks((100, 8)))[0] == 0
+    assert kv.match(toks((0, 8))).tokens == 8 and kv.match(toks((100, 8))).tokens == 0
     check(kv)
 
 
@@ -99,8 +98,8 @@ def test_random_operations_keep_the_accounting() -> None:
         if op < 0.4:
             base = rng.choice([0, 1000, 2000])
             seq = toks((base, rng.randint(0, 24)), (rng.randint(0, 5) * 100, rng.randint(0, 12)))
-            _, node, used = kv.match(seq)
-            pinned = kv.lock(node, used)
+            m = kv.match(seq)
+            pinned = kv.lock(m.node, m.used)
             blocks = rng.randint(0, 3)
             if kv.allocate(blocks):
                 held.append((pinned, blocks))
@@ -115,6 +114,38 @@ def test_random_operations_keep_the_accounting() -> None:
             with contextlib.suppress(RuntimeError):  # all pinned (callers never get here)
                 kv.insert(seq, float(step))
         check(kv)
+
+
+def test_a_remembered_match_is_reused_only_while_it_holds() -> None:
+    """``match(..., memo=)`` answers exactly what a fresh match would, through inserts
+    that extend or split the matched path, evictions and lock/unlock splits."""
+    rng = random.Random(1)
+    kv = PrefixKV(14, 4)  # smaller than the queries' blocks: evictions
+    queries = [toks((base, 24), (rng.randint(0, 3) * 100, rng.randint(0, 12)))
+               for base in (0, 1000) for _ in range(4)]
+    memos: dict[int, object] = {}
+    reused = 0
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.5:
+            i = rng.randrange(len(queries))
+            limit = rng.choice([None, len(queries[i]) - 1])
+            memo = memos.get(i)
+            got = kv.match(queries[i], limit, memo)  # type: ignore[arg-type]
+            fresh = kv.match(queries[i], limit)
+            assert (got.tokens, got.node, got.used) == (fresh.tokens, fresh.node, fresh.used)
+            reused += got is memo
+            memos[i] = got
+            if rng.random() < 0.3:  # admission's lock and unlock (may split the end node)
+                kv.unlock(kv.lock(got.node, got.used), float(step))
+        elif op < 0.8:
+            q = rng.choice(queries)
+            with contextlib.suppress(RuntimeError):
+                kv.insert(q[:rng.randint(0, len(q))], float(step))
+        elif kv.allocate(rng.randint(1, 6)):  # evicts least recently used leaves
+            kv.free(kv.private_blocks)
+        check(kv)
+    assert reused > 100 and kv.evicted_blocks > 100  # the memo is used, and tested
 
 
 def test_bad_sizes_raise() -> None:

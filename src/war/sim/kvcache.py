@@ -12,7 +12,10 @@ Protocol: ``match`` (read-only) finds the longest cached whole-block prefix, and
 ``lock`` pins it (splitting a node so that exactly the matched blocks are pinned);
 ``allocate`` / ``free`` move private blocks; ``insert`` caches a computed prefix and
 returns its node (callers free the private blocks that held those tokens first, so an
-insert never needs more memory than it frees). A sequence locks one path from the
+insert never needs more memory than it frees). ``match(..., memo=m)`` reuses an
+earlier answer ``m`` for the same tokens when nothing it depends on has changed (its
+end node still cached, not split, no child added to it): a request that waits at the
+head of a queue is matched again at every step, and a context can be 100 k tokens. A sequence locks one path from the
 root, so a locked node's ancestors are locked too and every unlocked node is
 evictable once its children are gone. Work is per node on the path, not per token:
 a multi-turn trajectory adds one or two nodes per turn.
@@ -27,7 +30,7 @@ Tokens = tuple[int, ...]
 
 
 class Node:
-    __slots__ = ("children", "key", "locks", "parent", "stamp")
+    __slots__ = ("children", "key", "locks", "parent", "stamp", "version")
 
     def __init__(self, key: Tokens, parent: Node | None) -> None:
         self.key = key
@@ -35,6 +38,20 @@ class Node:
         self.children: dict[Tokens, Node] = {}
         self.locks = 0
         self.stamp = 0.0
+        self.version = 0  # children added so far (a match that ended here may go on)
+
+
+class Match:
+    """``match``'s answer, and what it takes to know it still holds."""
+
+    __slots__ = ("keylen", "kv", "limit", "node", "tokens", "used", "version")
+
+    def __init__(self, kv: PrefixKV, tokens: int, limit: int, node: Node, used: int) -> None:
+        self.tokens = tokens  # tokens matched (whole blocks)
+        self.node = node  # where the match ends
+        self.used = used  # how many of ``node``'s tokens it covers
+        self.kv, self.limit = kv, limit
+        self.keylen, self.version = len(node.key), node.version
 
 
 class PrefixKV:
@@ -70,12 +87,19 @@ class PrefixKV:
         """Free blocks plus cached blocks nobody locks (evictable)."""
         return self.num_blocks - self.private_blocks - self.locked_blocks
 
-    def match(self, tokens: Tokens, limit: int | None = None) -> tuple[int, Node, int]:
-        """The longest cached whole-block prefix of ``tokens[:limit]``: (tokens matched,
-        the node where it ends, how many of that node's tokens it covers)."""
+    def match(self, tokens: Tokens, limit: int | None = None,
+              memo: Match | None = None) -> Match:
+        """The longest cached whole-block prefix of ``tokens[:limit]`` (``Match``: tokens
+        matched, the node where it ends, how many of that node's tokens it covers). ``memo``: an
+        earlier answer for the same ``tokens``, returned as is if it still holds."""
         bs = self.block_size
         n = len(tokens) if limit is None else min(limit, len(tokens))
         n -= n % bs
+        if memo is not None and memo.kv is self and memo.limit == n:
+            node = memo.node
+            if ((node.parent is not None or node is self.root) and len(node.key) == memo.keylen
+                    and node.version == memo.version):
+                return memo
         node, pos, used = self.root, 0, 0
         while pos < n:
             child = node.children.get(tokens[pos:pos + bs])
@@ -86,7 +110,7 @@ class PrefixKV:
             node, pos, used = child, pos + m, m
             if m < len(child.key):
                 break
-        return pos, node, used
+        return Match(self, pos, n, node, used)
 
     # ------------------------------------------------------------------ pinning
 
@@ -152,6 +176,7 @@ class PrefixKV:
                         self._push(node)  # eviction may have dropped its heap entry
                 child = Node(tokens[pos:n], node)
                 node.children[child.key[:bs]] = child
+                node.version += 1
                 self.cached_blocks += new // bs
                 child.stamp = now
                 self._push(child)
@@ -201,6 +226,7 @@ class PrefixKV:
         upper = Node(node.key[:k], parent)
         upper.locks, upper.stamp = node.locks, node.stamp
         parent.children[upper.key[:bs]] = upper
+        parent.version += 1
         node.key = node.key[k:]
         node.parent = upper
         upper.children[node.key[:bs]] = node

@@ -225,8 +225,9 @@ class SimReplica:
         beyond what admitted prefills still need."""
         bs = self.config.block_size
         target = seq.prefill_target
-        matched, node, used = self.kv.match(seq.tokens(seq.num_tokens), target - 1)
-        locked = self.kv.lock(node, used)
+        m = seq.match = self.kv.match(seq.tokens(seq.num_tokens), target - 1, seq.match)
+        matched = m.tokens
+        locked = self.kv.lock(m.node, m.used)
         n = min(target - matched, budget)
         want = -(-(matched + n) // bs) - matched // bs
         if self.config.admit_whole_prompt:

@@ -10,7 +10,7 @@ scheduling or memory policy: ``war.sim.replica`` moves it along.
 
 from __future__ import annotations
 
-from war.sim.kvcache import Node
+from war.sim.kvcache import Match, Node
 from war.sim.workload import SimTrajectory, Tokens
 from war.types import GenRequest
 
@@ -20,7 +20,7 @@ class SimSeq:
 
     __slots__ = (
         "accepted", "budget", "cached", "cached_prompt", "computed", "context", "context_sum",
-        "draft", "drafted", "generated", "key", "mark", "node", "nprompt", "order", "passes",
+        "draft", "drafted", "generated", "key", "mark", "match", "node", "nprompt", "order", "passes",
         "preemptions", "priority", "private", "request", "response", "rlen", "spec_id",
         "started", "traj", "turn",
     )
@@ -40,6 +40,7 @@ class SimSeq:
         self.generated = 0  # response tokens emitted
         self.computed = 0  # tokens whose KV is computed
         self.node: Node | None = None  # end of the locked cached prefix
+        self.match: Match | None = None  # its last prefix-cache lookup (``PrefixKV.match``)
         self.cached = 0  # tokens of the locked cached prefix (whole blocks)
         self.private = 0  # private KV blocks held
         self.spec_id: int | None = None  # the drafter's id of the trajectory
