@@ -25,7 +25,12 @@ Rules, per request, over the healthy replicas:
    can, the largest ones are.
 2. Stickiness: a trajectory's next turn goes to the replica holding its KV unless
    that replica is overloaded against the least loaded candidate: ``load - min >
-   migrate_abs_tokens`` and ``load > migrate_rel * min`` (both). Then it moves
+   max(migrate_abs_tokens, migrate_own_weight * own)`` and ``load > migrate_rel *
+   min`` (both), ``own`` being the request's own tokens (context + max_tokens). The
+   ``own`` term keeps a move from leaving its target busier than the holder was:
+   moving a long context from one replica to the next and back (ping-pong) costs
+   a recomputation of that context each time, and the longest trajectories, the
+   ones a step waits for, are the ones that move. Then it moves
    (rule 3 picks the target, without the holder), ``Decision.migrated`` is set and
    ``stats.migrations`` counts it. A request that ``continues`` (it carries only new
    tokens; the other replicas lack its context) never moves for load: only when its
@@ -86,6 +91,9 @@ class WarPolicyConfig:
       run ahead of the least loaded one (in load-score tokens, and as a ratio;
       exceeding both moves the turn). Defaults mirror SGLang's 64 requests and 1.5
       at ~512 tokens a request.
+    * ``migrate_own_weight``: the tokens of the moving request itself, times this,
+      are a floor under ``migrate_abs_tokens`` (1: a move must not leave its
+      target busier than the holder; 0: the plain SGLang rule).
     * ``group_abs_tokens``, ``group_rel``: the same tolerance for placing a new
       trajectory with its group's cached prompt.
     * ``group_abs_requests``: the tolerance in requests in flight (with
@@ -107,6 +115,7 @@ class WarPolicyConfig:
 
     migrate_abs_tokens: int = 32_768
     migrate_rel: float = 1.5
+    migrate_own_weight: float = 1.0
     group_abs_tokens: int = 8_192
     group_rel: float = 1.1
     group_abs_requests: int = 1
@@ -123,6 +132,8 @@ class WarPolicyConfig:
         for name in ("migrate_abs_tokens", "group_abs_tokens", "group_abs_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.migrate_own_weight >= 0:
+            raise ValueError(f"migrate_own_weight must be >= 0, got {self.migrate_own_weight}")
         if not self.group_work_slack >= 0:
             raise ValueError(f"group_work_slack must be >= 0, got {self.group_work_slack}")
         for name in ("migrate_rel", "group_rel"):
@@ -212,7 +223,10 @@ class WarPolicy:
         migrated = False
         if holder is not None and holder_fits and (
                 request.continues or not is_imbalanced(
-                    loads[holder], min_load, cfg.migrate_abs_tokens, cfg.migrate_rel)):
+                    loads[holder], min_load,
+                    max(cfg.migrate_abs_tokens,
+                        cfg.migrate_own_weight * (context_len + request.sampling.max_tokens)),
+                    cfg.migrate_rel)):
             choice = holder
             self.stats.sticky += 1
         elif state is not None:  # it had a replica: down, too small, or overloaded
