@@ -371,6 +371,36 @@ def test_war_does_not_move_a_long_context_to_make_its_target_busier() -> None:
     assert d.replica == "b" and d.migrated
 
 
+def test_war_moves_for_load_only_to_a_replica_with_room() -> None:
+    """A turn moved to a replica whose KV is full would wait there, recomputed: it
+    moves only where the last report shows free KV for the whole request."""
+    def kv_fleet(free_b: int, free_c: int) -> list[ReplicaView]:
+        # loads: a 250,000 (queued work), b 100,000 - free_b, c 85,000 (in flight)
+        return [view("a", tokens_in_flight=250_000, kv_total_tokens=100_000,
+                     kv_free_tokens=0),
+                view("b", tokens_in_flight=1_000, kv_total_tokens=100_000,
+                     kv_free_tokens=free_b),
+                view("c", tokens_in_flight=85_000, kv_total_tokens=100_000,
+                     kv_free_tokens=free_c)]
+
+    prompt = tuple(range(29_500))  # + 500 new tokens: the request needs 30,000
+    p = war(migrate_abs_tokens=1000)
+    p.select(req("1", prompt, tid="t", max_tokens=500), tok_fleet(a=0, b=0, c=0), 0.0)
+    p.on_complete(req("1", prompt, tid="t"), res("1"), "a", 1.0)
+    # a is overloaded; b (load 80,000) and c (85,000) lack room: stays
+    d = p.select(req("2", prompt, tid="t", max_tokens=500), kv_fleet(20_000, 10_000), 2.0)
+    assert d.replica == "a" and not d.migrated and p.stats.migrations == 0
+    # c has room now, b (less loaded) still not: c
+    d = p.select(req("3", prompt, tid="t", max_tokens=500), kv_fleet(20_000, 50_000), 3.0)
+    assert d.replica == "c" and d.migrated and p.stats.migrations == 1
+    # without the rule the least loaded takes it, room or not
+    q = war(migrate_abs_tokens=1000, migrate_needs_room=False)
+    q.select(req("1", prompt, tid="t", max_tokens=500), tok_fleet(a=0, b=0, c=0), 0.0)
+    q.on_complete(req("1", prompt, tid="t"), res("1"), "a", 1.0)
+    d = q.select(req("2", prompt, tid="t", max_tokens=500), kv_fleet(20_000, 10_000), 2.0)
+    assert d.replica == "b" and d.migrated
+
+
 def test_war_continues_moves_only_when_its_replica_is_down() -> None:
     p = war(migrate_abs_tokens=1000)
     p.select(req("1", tid="t"), tok_fleet(a=0, b=0), 0.0)

@@ -30,7 +30,11 @@ Rules, per request, over the healthy replicas:
    ``own`` term keeps a move from leaving its target busier than the holder was:
    moving a long context from one replica to the next and back (ping-pong) costs
    a recomputation of that context each time, and the longest trajectories, the
-   ones a step waits for, are the ones that move. Then it moves
+   ones a step waits for, are the ones that move. With ``migrate_needs_room`` a
+   turn moves only to a replica whose last report shows free KV for all of it
+   (context + max_tokens; unknown counts as room), and stays if none does: a
+   context that moves to a full replica waits there for room, recomputed, while
+   its old replica still holds it. Then it moves
    (rule 3 picks the target, without the holder), ``Decision.migrated`` is set and
    ``stats.migrations`` counts it. A request that ``continues`` (it carries only new
    tokens; the other replicas lack its context) never moves for load: only when its
@@ -94,6 +98,8 @@ class WarPolicyConfig:
     * ``migrate_own_weight``: the tokens of the moving request itself, times this,
       are a floor under ``migrate_abs_tokens`` (1: a move must not leave its
       target busier than the holder; 0: the plain SGLang rule).
+    * ``migrate_needs_room``: a move for load goes only to a replica that reports
+      free KV for the whole request; none: the turn stays.
     * ``group_abs_tokens``, ``group_rel``: the same tolerance for placing a new
       trajectory with its group's cached prompt.
     * ``group_abs_requests``: the tolerance in requests in flight (with
@@ -116,6 +122,7 @@ class WarPolicyConfig:
     migrate_abs_tokens: int = 32_768
     migrate_rel: float = 1.5
     migrate_own_weight: float = 1.0
+    migrate_needs_room: bool = True
     group_abs_tokens: int = 8_192
     group_rel: float = 1.1
     group_abs_requests: int = 1
@@ -221,16 +228,21 @@ class WarPolicy:
                                                     for r in candidates)
         holder = state.replica if state is not None else None
         migrated = False
-        if holder is not None and holder_fits and (
-                request.continues or not is_imbalanced(
-                    loads[holder], min_load,
-                    max(cfg.migrate_abs_tokens,
-                        cfg.migrate_own_weight * (context_len + request.sampling.max_tokens)),
-                    cfg.migrate_rel)):
+        others: list[ReplicaView] = []
+        if holder is not None and holder_fits and not request.continues:
+            need = context_len + request.sampling.max_tokens
+            if is_imbalanced(loads[holder], min_load,
+                             max(cfg.migrate_abs_tokens, cfg.migrate_own_weight * need),
+                             cfg.migrate_rel):
+                others = [r for r in candidates if r.name != holder
+                          and (not cfg.migrate_needs_room or r.kv_free_tokens is None
+                               or r.kv_free_tokens >= need)]
+        if holder is not None and holder_fits and not others:
             choice = holder
             self.stats.sticky += 1
         elif state is not None:  # it had a replica: down, too small, or overloaded
-            others = [r for r in candidates if r.name != holder]
+            if not others:
+                others = [r for r in candidates if r.name != holder]
             choice = self._place(request, others or candidates, loads, tid)
             migrated = True
             if any(r.name == holder for r in candidates):
