@@ -119,6 +119,9 @@ def test_routes_sets_priority_and_shares_history() -> None:
     assert len(reps["a"].history) == 2 and len(reps["b"].history) == 2
     assert reps["a"].history_calls == 1 and reps["b"].history_calls == 1
     assert r.stats.history_forwarded == 4
+    # each entry: the prompt's last tokens (its lead-in, up to 8), then the response
+    assert sorted(reps["a"].history + reps["b"].history) == sorted(
+        ([i, 1, *out[i].output_ids], "g") for i in range(4))
 
 
 @pytest.mark.parametrize("flush_s, batch, calls", [(0.0, 64, 3), (10.0, 2, 1)])
@@ -141,6 +144,8 @@ def test_history_is_sent_at_once_or_in_full_batches(flush_s: float, batch: int,
         RouterConfig(history_batch=0)
     with pytest.raises(ValueError, match="history_flush_s"):
         RouterConfig(history_flush_s=-1.0)
+    with pytest.raises(ValueError, match="history_lead_in"):
+        RouterConfig(history_lead_in=-1)
 
 
 def test_failover_retries_elsewhere_with_the_whole_context() -> None:

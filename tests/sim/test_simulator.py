@@ -7,10 +7,12 @@ from sim_helpers import ClockGuard, FixedPolicy, trajectory, workload
 
 from war.router.policies import make_policy
 from war.sim.costs import CostModel, LinearCost
+from war.sim.drafter import LiveDrafter
 from war.sim.replica import ReplicaConfig
 from war.sim.sequence import SimSeq
 from war.sim.simulator import SimConfig, Simulator, fitting_turns
 from war.sim.workload import SimTrajectory, SimTurn, Workload
+from war.spec.config import SpecConfig
 from war.types import GenRequest, SamplingParams
 
 A, B, C = 0.01, 0.001, 0.0  # intercept, per batch token, per context token
@@ -224,3 +226,31 @@ def test_lone_sequence_fast_path_matches_the_planner(mode: str) -> None:
 
     exact, fast = summary(1), summary(1000)
     assert fast == pytest.approx(exact, rel=1e-9)
+
+
+@pytest.mark.parametrize("share", ["one history", "forwarded", "off"])
+def test_a_response_helps_drafts_on_another_replica_only_when_history_is_shared(
+        share: str) -> None:
+    """Step 0: trajectory a (group g) on replica r0; step 1: b, same group and same
+    response text, on r1. With shared history b's drafts come from a's response:
+    one history for every replica (the default) or responses forwarded to each
+    replica's own speculator (custom drafters); without, r1 never saw it."""
+    response = tuple(range(500, 700))
+    a = SimTrajectory("a", "g", 0, (SimTurn(tuple(range(0, 50)), response, 0.0),), "a")
+    b = SimTrajectory("b", "g", 1, (SimTurn(tuple(range(50, 100)), response, 0.0),), "b")
+    spec = SpecConfig(use_global=False)
+    cfg = SimConfig(num_replicas=2, policy="round_robin", spec=spec,
+                    share_history=share != "off",
+                    replica=ReplicaConfig(spec_mode="always", num_kv_blocks=4096))
+    make = (lambda _i: LiveDrafter(spec)) if share == "forwarded" else None
+    sim = Simulator(cfg, LinearCost(A, B, C), Workload("t", ((a,), (b,))), make_drafter=make)
+    d0, d1 = (r.drafter for r in sim.replicas)
+    assert isinstance(d0, LiveDrafter) and isinstance(d1, LiveDrafter)
+    assert (d0.spec is d1.spec) == (share == "one history")
+    sim.run()
+    second = sim.result.steps[1]
+    if share == "off":
+        assert second.accepted == 0
+    else:
+        assert second.accepted > 150  # most of the 200 tokens come from a's response
+        assert d1.spec.num_history_entries >= 1

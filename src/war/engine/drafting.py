@@ -19,10 +19,12 @@ from war.spec.tree import BatchDrafts
 class TrajectoryDrafts:
     """Maps requests onto the speculator's trajectories. Mutates the speculator."""
 
-    def __init__(self, speculator: SuffixSpeculator, max_idle: int) -> None:
+    def __init__(self, speculator: SuffixSpeculator, max_idle: int, first_id: int = 0) -> None:
+        """``first_id``: where this map's speculator ids start (maps that share one
+        speculator, as the simulator's replicas do, use disjoint ranges)."""
         self.spec = speculator
         self.max_idle = max_idle
-        self._next_id = 0
+        self._next_id = first_id
         self._tokens: dict[int, list[int]] = {}  # spec id -> tokens the speculator holds
         self._named: dict[str, int] = {}  # trajectory id -> spec id (active or idle)
         self._busy: set[int] = set()  # spec ids with a request in flight

@@ -44,6 +44,9 @@ class RouterConfig:
     * ``max_attempts``: replicas tried for one request before it fails.
     * ``health_interval_s``: how often down replicas are checked (and loads polled).
     * ``share_history``: forward completed responses to the other replicas.
+    * ``history_lead_in``: prompt tokens forwarded before each response, as a
+      replica's own history entries carry them (``SpecConfig.lead_in``), so a
+      forwarded entry drafts as it would on the replica that produced it.
     * ``history_flush_s``, ``history_batch``: forwarded responses are gathered per
       replica and sent together, at most ``history_flush_s`` after the first of a
       batch or as soon as ``history_batch`` wait (one request per batch, not per
@@ -56,6 +59,7 @@ class RouterConfig:
     share_history: bool = True
     history_flush_s: float = 0.05
     history_batch: int = 64
+    history_lead_in: int = 8
     max_trajectories: int = 100_000
 
     def __post_init__(self) -> None:
@@ -67,6 +71,8 @@ class RouterConfig:
             raise ValueError(f"max_trajectories must be >= 1, got {self.max_trajectories}")
         if not self.history_flush_s >= 0:
             raise ValueError(f"history_flush_s must be >= 0, got {self.history_flush_s}")
+        if self.history_lead_in < 0:
+            raise ValueError(f"history_lead_in must be >= 0, got {self.history_lead_in}")
         if self.history_batch < 1:
             raise ValueError(f"history_batch must be >= 1, got {self.history_batch}")
 
@@ -234,7 +240,8 @@ class Router:
             if request.trajectory_id is not None:
                 self._put_recent(self._homes, request.trajectory_id, name)
             if self.config.share_history and request.group_id is not None:
-                self._share(name, result, request.group_id)
+                self._share(name, result, request.group_id,
+                            full if full is not None else request.prompt_ids)
             return result, name
 
     def finish_trajectory(self, trajectory_id: str) -> bool:
@@ -311,10 +318,12 @@ class Router:
         while len(table) > self.config.max_trajectories:
             table.popitem(last=False)
 
-    def _share(self, source: str, result: GenResult, group_id: str) -> None:
+    def _share(self, source: str, result: GenResult, group_id: str,
+               prompt: Sequence[int]) -> None:
         if not result.output_ids:
             return
-        item = (list(result.output_ids), group_id)
+        lead = min(self.config.history_lead_in, len(prompt))
+        item = ([*prompt[len(prompt) - lead:], *result.output_ids], group_id)
         for name, rep in self.replicas.items():
             if name == source or not rep.healthy:
                 continue

@@ -87,11 +87,16 @@ def accepted_path(token_ids: Sequence[int], parents: Sequence[int], target: Sequ
 
 
 class LiveDrafter:
-    """The real suffix speculator (module docstring)."""
+    """The real suffix speculator (module docstring). ``shared``: a speculator that
+    other replicas' drafters use too, so that they draw on one history (each
+    keeps its own trajectories, under ids from ``first_id`` on); ``share`` is then
+    a no-op."""
 
-    def __init__(self, config: SpecConfig, max_idle: int = 4096) -> None:
-        self.spec = SuffixSpeculator(config)
-        self.drafts = TrajectoryDrafts(self.spec, max_idle)
+    def __init__(self, config: SpecConfig, max_idle: int = 4096,
+                 shared: SuffixSpeculator | None = None, first_id: int = 0) -> None:
+        self.spec = shared if shared is not None else SuffixSpeculator(config)
+        self.shares_history = shared is not None
+        self.drafts = TrajectoryDrafts(self.spec, max_idle, first_id)
         self.max_spec_tokens = config.max_spec_tokens
         self._last: BatchDrafts | None = None
         self._seqs: Sequence[SimSeq] = ()
@@ -138,7 +143,8 @@ class LiveDrafter:
             seq.spec_id = None
 
     def share(self, tokens: Sequence[int], group_id: Hashable | None) -> None:
-        self.spec.add_history(list(tokens), group_id)
+        if not self.shares_history:
+            self.spec.add_history(list(tokens), group_id)
 
     def observe_rl_step(self, rl_step: int) -> None:
         if rl_step > self.spec.rl_step:

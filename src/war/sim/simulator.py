@@ -5,7 +5,8 @@ ends, an idle replica looks for work), the router's side of each request (the sa
 ``RoutingPolicy`` objects the real router uses, asked with ``now`` and the replicas'
 views: requests and tokens in flight as the router counts them, KV use and queue
 length from load reports refreshed every ``load_report_interval_s``), shared draft
-history (a completed response goes to the other replicas' drafters), and the
+history (a completed response, with its lead-in, goes to the other replicas'
+drafters; the live drafters of one run share one history instead), and the
 synchronous RL loop (every trajectory of a step starts at once; the next step starts
 when the last one ends, plus ``train_s``), and the context limit: a turn whose context
 and response would exceed a replica's KV cannot be served, so the trajectory ends
@@ -43,6 +44,7 @@ from war.sim.replica import ReplicaConfig, SimReplica
 from war.sim.sequence import SimSeq
 from war.sim.workload import SimTrajectory, Tokens, Workload
 from war.spec.config import SpecConfig
+from war.spec.speculator import SuffixSpeculator
 from war.types import GenRequest, GenResult, SamplingParams
 
 _STEP_END, _KICK, _ARRIVE = 0, 1, 2
@@ -102,8 +104,17 @@ class Simulator:
         self.policy = policy if policy is not None else make_policy(
             config.policy, **dict(config.policy_settings))
         rc = config.replica
-        make = make_drafter if make_drafter is not None else (
-            lambda _i: LiveDrafter(config.spec))
+        if make_drafter is not None:
+            make = make_drafter
+        elif config.share_history:
+            # One history for every replica: what forwarding every completed response
+            # to every replica gives (with its lead-in, as the router forwards it), in
+            # one pair of trees instead of one per replica.
+            shared = SuffixSpeculator(config.spec)
+            make = lambda i: LiveDrafter(config.spec, shared=shared,  # noqa: E731
+                                         first_id=i << 40)
+        else:
+            make = lambda _i: LiveDrafter(config.spec)  # noqa: E731
         width = len(str(config.num_replicas - 1))
         self.replicas = [
             SimReplica(f"r{i:0{width}d}", rc, cost,
@@ -114,7 +125,8 @@ class Simulator:
             for i in range(config.num_replicas)]
         self._index = {r.name: i for i, r in enumerate(self.replicas)}
         self._sharing = [(i, r.drafter) for i, r in enumerate(self.replicas)  # use history
-                         if r.drafter is not None and not isinstance(r.drafter, CachedDrafter)]
+                         if r.drafter is not None and not isinstance(r.drafter, CachedDrafter)
+                         and not getattr(r.drafter, "shares_history", False)]
         n = config.num_replicas
         self._requests = [0] * n
         self._total_requests = 0
@@ -278,9 +290,11 @@ class Simulator:
         self._views[i] = self._view(i)
         self.policy.on_complete(req, result, name, now)
         if self.config.share_history:
+            lead = min(self.config.spec.lead_in, len(seq.context))
             for j, drafter in self._sharing:
                 if j != i:
-                    drafter.share(seq.response, st.traj.group_id)
+                    drafter.share(seq.context[len(seq.context) - lead:] + seq.response,
+                                  st.traj.group_id)
         turn = st.traj.turns[st.turn]
         st.records.append(TurnRecord(len(st.context), len(turn.prompt), len(seq.response),
                                      seq.passes, seq.drafted, turn.tool_s))
