@@ -355,18 +355,18 @@ def test_war_does_not_move_a_long_context_to_make_its_target_busier() -> None:
     p.on_complete(req("1", long, tid="t"), res("1"), "a", 1.0)
     # gap 40,000 > 1,000 and ratio 1.8: the plain rule would move it; its own 42,001
     # tokens would leave b at 92,001, busier than a is: stays
-    d = p.select(req("2", long + (7,), tid="t", max_tokens=2_000),
+    d = p.select(req("2", (*long, 7), tid="t", max_tokens=2_000),
                  tok_fleet(a=90_000, b=50_000), 2.0)
     assert d.replica == "a" and not d.migrated and p.stats.migrations == 0
     # gap 80,000 > 42,002: moves
-    d = p.select(req("3", long + (7, 8), tid="t", max_tokens=2_000),
+    d = p.select(req("3", (*long, 7, 8), tid="t", max_tokens=2_000),
                  tok_fleet(a=90_000, b=10_000), 3.0)
     assert d.replica == "b" and d.migrated and p.stats.migrations == 1
     # weight 0: the plain rule
     q = war(migrate_abs_tokens=1000, migrate_own_weight=0.0)
     q.select(req("1", long, tid="t", max_tokens=2_000), tok_fleet(a=0, b=0), 0.0)
     q.on_complete(req("1", long, tid="t"), res("1"), "a", 1.0)
-    d = q.select(req("2", long + (7,), tid="t", max_tokens=2_000),
+    d = q.select(req("2", (*long, 7), tid="t", max_tokens=2_000),
                  tok_fleet(a=90_000, b=50_000), 2.0)
     assert d.replica == "b" and d.migrated
 

@@ -15,10 +15,11 @@ returns its node (callers free the private blocks that held those tokens first, 
 insert never needs more memory than it frees). ``match(..., memo=m)`` reuses an
 earlier answer ``m`` for the same tokens when nothing it depends on has changed (its
 end node still cached, not split, no child added to it): a request that waits at the
-head of a queue is matched again at every step, and a context can be 100 k tokens. A sequence locks one path from the
-root, so a locked node's ancestors are locked too and every unlocked node is
-evictable once its children are gone. Work is per node on the path, not per token:
-a multi-turn trajectory adds one or two nodes per turn.
+head of a queue is matched again at every step, and a context can be 100 k tokens.
+A sequence locks one path from the root, so a locked node's ancestors are locked
+too and every unlocked node is evictable once its children are gone. Work is per
+node on the path, not per token: a multi-turn trajectory adds one or two nodes per
+turn.
 """
 
 from __future__ import annotations

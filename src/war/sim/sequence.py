@@ -20,9 +20,9 @@ class SimSeq:
 
     __slots__ = (
         "accepted", "budget", "cached", "cached_prompt", "computed", "context", "context_sum",
-        "draft", "drafted", "generated", "key", "mark", "match", "node", "nprompt", "order", "passes",
-        "preemptions", "priority", "private", "request", "response", "rlen", "spec_id",
-        "started", "traj", "turn",
+        "draft", "drafted", "generated", "key", "mark", "match", "node", "nprompt", "order",
+        "passes", "preemptions", "priority", "private", "request", "response", "rlen",
+        "spec_id", "started", "traj", "turn",
     )
 
     def __init__(self, request: GenRequest, traj: SimTrajectory, turn: int, context: Tokens,
