@@ -126,7 +126,8 @@ class Simulator:
         self._index = {r.name: i for i, r in enumerate(self.replicas)}
         self._sharing = [(i, r.drafter) for i, r in enumerate(self.replicas)  # use history
                          if r.drafter is not None and not isinstance(r.drafter, CachedDrafter)
-                         and not getattr(r.drafter, "shares_history", False)]
+                         and not (isinstance(r.drafter, LiveDrafter)
+                                  and r.drafter.shares_history)]
         n = config.num_replicas
         self._requests = [0] * n
         self._total_requests = 0
