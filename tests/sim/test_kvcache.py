@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from war.sim.kvcache import Node, PrefixKV
+from war.sim.kvcache import Match, Node, PrefixKV
 
 
 def check(kv: PrefixKV) -> None:
@@ -117,21 +117,22 @@ def test_random_operations_keep_the_accounting() -> None:
 
 
 def test_a_remembered_match_is_reused_only_while_it_holds() -> None:
-    """``match(..., memo=)`` answers exactly what a fresh match would, through inserts
-    that extend or split the matched path, evictions and lock/unlock splits."""
+    """``reuse`` gives back an earlier match only while it is exactly what a fresh match
+    would answer, through inserts that extend or split the matched path, evictions
+    and lock/unlock splits."""
     rng = random.Random(1)
     kv = PrefixKV(14, 4)  # smaller than the queries' blocks: evictions
     queries = [toks((base, 24), (rng.randint(0, 3) * 100, rng.randint(0, 12)))
                for base in (0, 1000) for _ in range(4)]
-    memos: dict[int, object] = {}
+    memos: dict[int, Match] = {}
     reused = 0
     for step in range(3000):
         op = rng.random()
         if op < 0.5:
             i = rng.randrange(len(queries))
-            limit = rng.choice([None, len(queries[i]) - 1])
+            limit = rng.choice([len(queries[i]), len(queries[i]) - 1])
             memo = memos.get(i)
-            got = kv.match(queries[i], limit, memo)  # type: ignore[arg-type]
+            got = kv.reuse(memo, limit) or kv.match(queries[i], limit)
             fresh = kv.match(queries[i], limit)
             assert (got.tokens, got.node, got.used) == (fresh.tokens, fresh.node, fresh.used)
             reused += got is memo

@@ -12,7 +12,7 @@ Protocol: ``match`` (read-only) finds the longest cached whole-block prefix, and
 ``lock`` pins it (splitting a node so that exactly the matched blocks are pinned);
 ``allocate`` / ``free`` move private blocks; ``insert`` caches a computed prefix and
 returns its node (callers free the private blocks that held those tokens first, so an
-insert never needs more memory than it frees). ``match(..., memo=m)`` reuses an
+insert never needs more memory than it frees). ``reuse(m, limit)`` gives back an
 earlier answer ``m`` for the same tokens when nothing it depends on has changed (its
 end node still cached, not split, no child added to it): a request that waits at the
 head of a queue is matched again at every step, and a context can be 100 k tokens.
@@ -88,19 +88,12 @@ class PrefixKV:
         """Free blocks plus cached blocks nobody locks (evictable)."""
         return self.num_blocks - self.private_blocks - self.locked_blocks
 
-    def match(self, tokens: Tokens, limit: int | None = None,
-              memo: Match | None = None) -> Match:
+    def match(self, tokens: Tokens, limit: int | None = None) -> Match:
         """The longest cached whole-block prefix of ``tokens[:limit]`` (``Match``: tokens
-        matched, the node where it ends, how many of that node's tokens it covers). ``memo``: an
-        earlier answer for the same ``tokens``, returned as is if it still holds."""
+        matched, the node where it ends, how many of that node's tokens it covers)."""
         bs = self.block_size
         n = len(tokens) if limit is None else min(limit, len(tokens))
         n -= n % bs
-        if memo is not None and memo.kv is self and memo.limit == n:
-            node = memo.node
-            if ((node.parent is not None or node is self.root) and len(node.key) == memo.keylen
-                    and node.version == memo.version):
-                return memo
         node, pos, used = self.root, 0, 0
         while pos < n:
             child = node.children.get(tokens[pos:pos + bs])
@@ -112,6 +105,18 @@ class PrefixKV:
             if m < len(child.key):
                 break
         return Match(self, pos, n, node, used)
+
+    def reuse(self, memo: Match | None, limit: int) -> Match | None:
+        """``memo`` (an earlier ``match`` of the same tokens, at least ``limit`` of
+        them) if it still holds for ``limit``, else None; costs no pass over the
+        tokens."""
+        if memo is None or memo.kv is not self or memo.limit != limit - limit % self.block_size:
+            return None
+        node = memo.node
+        if ((node.parent is not None or node is self.root) and len(node.key) == memo.keylen
+                and node.version == memo.version):
+            return memo
+        return None
 
     # ------------------------------------------------------------------ pinning
 

@@ -225,7 +225,8 @@ class SimReplica:
         beyond what admitted prefills still need."""
         bs = self.config.block_size
         target = seq.prefill_target
-        m = seq.match = self.kv.match(seq.tokens(seq.num_tokens), target - 1, seq.match)
+        m = seq.match = (self.kv.reuse(seq.match, target - 1)
+                         or self.kv.match(seq.tokens(seq.num_tokens), target - 1))
         matched = m.tokens
         locked = self.kv.lock(m.node, m.used)
         n = min(target - matched, budget)

@@ -290,12 +290,12 @@ class Simulator:
         self._in_flight[i] -= seq.num_prompt + self.config.max_tokens
         self._views[i] = self._view(i)
         self.policy.on_complete(req, result, name, now)
-        if self.config.share_history:
+        if self.config.share_history and self._sharing:
             lead = min(self.config.spec.lead_in, len(seq.context))
+            tokens = seq.context[len(seq.context) - lead:] + seq.response
             for j, drafter in self._sharing:
                 if j != i:
-                    drafter.share(seq.context[len(seq.context) - lead:] + seq.response,
-                                  st.traj.group_id)
+                    drafter.share(tokens, st.traj.group_id)
         turn = st.traj.turns[st.turn]
         st.records.append(TurnRecord(len(st.context), len(turn.prompt), len(seq.response),
                                      seq.passes, seq.drafted, turn.tool_s))
