@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import socket
 import threading
 import time
@@ -23,7 +24,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from test_router_server import KEY, FirstHealthy, Scripted
 
-from war.router.edge import Edge, EdgeConfig, FastRoute
+from war.router.edge import Edge, EdgeConfig, FastRoute, Respond
 from war.router.router import Router
 from war.router.server import create_router_app
 from war.types import GenRequest, GenResult
@@ -40,7 +41,8 @@ class Echo:
         self.hold: asyncio.Event | None = None
         self.delays: dict[bytes, float] = {}
 
-    async def handle(self, body: bytes, headers: Mapping[str, str]) -> tuple[int, bytes]:
+    async def handle(self, body: bytes, headers: Mapping[str, str],
+                     respond: Respond) -> tuple[int, bytes] | None:
         self.calls.append((body, dict(headers)))
         try:
             if self.hold is not None:
@@ -449,3 +451,92 @@ def test_a_client_hanging_up_cancels_the_routed_call_and_counts_499() -> None:
         text = httpx.get(f"http://{h}:{p}/metrics", timeout=5).text
         assert 'war_router_http_requests_total{status="499"} 1.0' in text
         assert router.replicas["slow"].num_requests == 0  # its accounting was undone
+
+
+class FailsAfterwards(FirstHealthy):
+    """Its feedback on every other completion fails (a bug in a policy)."""
+
+    def on_complete(self, request: GenRequest, result: GenResult | None, replica: str,
+                    now: float) -> None:
+        super().on_complete(request, result, replica, now)
+        if len(self.completed) % 2 == 1:
+            raise RuntimeError("policy bug")
+
+
+def test_the_router_answers_before_its_bookkeeping_and_survives_its_failure(
+        caplog: pytest.LogCaptureFixture) -> None:
+    rep = Scripted("a")
+    policy = FailsAfterwards()
+    router = Router([rep], policy)
+    app = create_router_app(router, manage_router=True)
+    body = b'{"prompt": [1, 2], "max_tokens": 2}'
+    with running(app, app.state.fast_routes) as (h, p, _), \
+            httpx.Client(base_url=f"http://{h}:{p}") as c:
+        first = c.post("/v1/completions", content=body)
+        # answered (the replica's tokens) although the policy's feedback then failed
+        assert first.status_code == 200 and first.json()["choices"][0]["token_ids"]
+        second = c.post("/v1/completions", content=body)
+        assert second.status_code == 200 and len(policy.completed) == 2
+        text = c.get("/metrics").text
+        assert 'war_router_http_requests_total{status="200"} 2.0' in text
+    assert any("after answering" in r.getMessage() for r in caplog.records)
+
+
+class EarlyAnswer:
+    """A fast route that answers through ``respond``, then keeps working until
+    ``release`` is set (``mode``: ``early``, ``twice`` or ``never``)."""
+
+    def __init__(self, mode: str = "early") -> None:
+        self.mode = mode
+        self.release = threading.Event()
+        self.finished: list[bytes] = []
+
+    async def handle(self, body: bytes, headers: Mapping[str, str],
+                     respond: Respond) -> tuple[int, bytes] | None:
+        if self.mode != "never":
+            respond(200, orjson.dumps({"body": body.decode()}))
+        if self.mode == "twice":
+            respond(200, b"{}")
+        for _ in range(500):  # (bounded: 5 s)
+            if self.release.is_set():
+                break
+            await asyncio.sleep(0.01)
+        self.finished.append(body)
+        return None
+
+    def route(self) -> FastRoute:
+        return FastRoute(self.handle, lambda: (413, b"{}"))
+
+
+def test_a_fast_route_may_answer_before_it_returns() -> None:
+    early = EarlyAnswer()
+    routes = {("POST", "/v1/completions"): early.route()}
+    with running(side_app([]), routes) as (_, port, _e), \
+            socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        # two pipelined requests: the first is answered while its handler still works
+        s.sendall(post("/v1/completions", b"one") + post("/v1/completions", b"two"))
+        out = b""
+        while b'{"body":"one"}' not in out:
+            out += s.recv(65536)
+        assert early.finished == [] and b'"two"' not in out
+        # the next request on the connection waits for the handler to return
+        time.sleep(0.1)
+        if select.select([s], [], [], 0)[0]:
+            out += s.recv(65536)
+        assert b'"two"' not in out
+        early.release.set()
+        while b'{"body":"two"}' not in out:
+            out += s.recv(65536)
+        assert out.count(b"HTTP/1.1 200") == 2 and early.finished == [b"one", b"two"]
+
+
+def test_a_fast_route_answering_twice_or_never_closes_the_connection() -> None:
+    for mode, answers in (("twice", 1), ("never", 0)):
+        handler = EarlyAnswer(mode)
+        handler.release.set()
+        with running(side_app([]), {("POST", "/v1/completions"): handler.route()}) as (_, p, _e):
+            out = raw(p, post("/v1/completions", b"x"))  # closed by the server
+            assert out.count(b"HTTP/1.1 200") == answers, (mode, out)
+            # the server goes on serving other connections
+            assert b"HTTP/1.1 200" in raw(p, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+                                           wait_close=False)

@@ -272,3 +272,27 @@ def test_finish_trajectory_drops_the_context_and_tells_the_policy() -> None:
     # a policy without the hook is fine
     plain, _, _ = router("a")
     assert plain.finish_trajectory("nobody") is False
+
+
+def test_deliver_comes_before_the_bookkeeping_which_runs_even_if_it_fails() -> None:
+    r, _reps, policy = router("a", "b")
+    seen: list[tuple[str, int, int]] = []  # (replica, policy feedback so far, contexts held)
+
+    def deliver(result: GenResult, replica: str) -> None:
+        seen.append((replica, len(policy.completed), len(r._contexts)))
+
+    def failing(result: GenResult, replica: str) -> None:
+        raise RuntimeError("the client's answer failed")
+
+    async def main() -> None:
+        result, where = await r.route(GenRequest("q1", (1, 2), SP, trajectory_id="t1"), deliver)
+        assert seen == [(where, 0, 0)]  # delivered before the policy and the context knew
+        assert policy.completed == [(where, True)] and "t1" in r._contexts
+        assert result.output_ids == (3, 4, 5)
+        with pytest.raises(RuntimeError, match="answer failed"):
+            await r.route(GenRequest("q2", (1,), SP, trajectory_id="t2"), failing)
+        # the failed delivery did not stop the bookkeeping
+        assert len(policy.completed) == 2 and "t2" in r._contexts
+
+    asyncio.run(main())
+    assert r.stats.completed == 2

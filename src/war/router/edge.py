@@ -6,7 +6,8 @@ chunked request bodies, ``Expect: 100-continue``, HTTP/1.0 and ``Connection: clo
 an idle keep-alive timeout, a body size limit (413), malformed requests (400, then
 the connection closes), and a graceful shutdown on SIGINT/SIGTERM. Requests matching
 a *fast route* (``FastRoute``: the router's ``POST /v1/completions``) go straight to
-its handler as ``(body, headers)``; a client hanging up cancels the handler's task.
+its handler as ``(body, headers, respond)`` (it may answer before it returns); a client
+hanging up cancels the handler's task.
 Every other request goes to the ASGI app (FastAPI's ``/health``, ``/metrics``, ...),
 whose lifespan runs around the server. Responses from the app may stream (chunked).
 The ASGI side is ``edge_asgi``; the bytes of responses are ``edge_wire``'s.
@@ -40,12 +41,16 @@ from war.router.edge_wire import address, error_json, json_response, split_targe
 
 log = logging.getLogger("war.router.edge")
 
-Handler = Callable[[bytes, Mapping[str, str]], Awaitable[tuple[int, bytes]]]
+Respond = Callable[[int, bytes], None]
+Handler = Callable[[bytes, Mapping[str, str], Respond], Awaitable[tuple[int, bytes] | None]]
 
 
 @dataclass(frozen=True)
 class FastRoute:
-    """A route served without ASGI. ``handle(body, headers)`` -> (status, JSON body);
+    """A route served without ASGI. ``handle(body, headers, respond)`` -> (status, JSON
+    body), or None after calling ``respond(status, JSON body)`` once itself: a handler
+    answers early that way when it has work left after the answer (its client goes on
+    meanwhile; the connection's next request waits for the handler to return).
     ``headers`` have lower-case names. ``too_large()`` -> (413, JSON body), for a body
     over the limit (so that the route can count it). ``authorize(headers)`` -> None
     to serve, or (status, JSON body, extra headers) to refuse."""
@@ -269,9 +274,21 @@ class _Connection(asyncio.Protocol):
             status, body, extra = refusal
             self._write(json_response(status, body, keep_alive, extra))
             return
-        status, body = await route.handle(request.body, headers)
-        # a stop that came meanwhile makes this the last answer: it says so
-        self._write(json_response(status, body, keep_alive and not self.closing))
+        answered = False
+
+        def respond(status: int, body: bytes) -> None:
+            nonlocal answered
+            if answered:
+                raise RuntimeError("a fast route answered twice")
+            answered = True
+            # a stop that came meanwhile makes this the last answer: it says so
+            self._write(json_response(status, body, keep_alive and not self.closing))
+
+        out = await route.handle(request.body, headers, respond)
+        if out is not None:
+            respond(*out)
+        elif not answered:
+            raise RuntimeError("a fast route returned without answering")
 
     async def _answer_asgi(self, request: _Request, keep_alive: bool) -> None:
         transport = self.transport
@@ -458,4 +475,4 @@ async def serve(edge: Edge, host: str, port: int,
         log.info("stopped")
 
 
-__all__ = ["Edge", "EdgeConfig", "FastRoute", "serve"]
+__all__ = ["Edge", "EdgeConfig", "FastRoute", "Handler", "Respond", "serve"]

@@ -178,8 +178,16 @@ class Router:
         result, _ = await self.route(request)
         return result
 
-    async def route(self, request: GenRequest) -> tuple[GenResult, str]:
-        """``generate``, and the name of the replica that served the request."""
+    async def route(self, request: GenRequest,
+                    deliver: Callable[[GenResult, str], None] | None = None
+                    ) -> tuple[GenResult, str]:
+        """``generate``, and the name of the replica that served the request.
+
+        ``deliver(result, replica)``, if given, is called as soon as the replica has
+        answered, before the router's own bookkeeping (the policy's feedback, the
+        trajectory's context, shared history), which then runs in the same step of the
+        loop: a server answers its client first, so that the client goes on while the
+        router books the result. The bookkeeping runs even if ``deliver`` raises."""
         self.stats.requests += 1
         full = self._full_prompt(request)
         attempts = 0
@@ -235,14 +243,24 @@ class Router:
             rep.served += 1
             self.stats.completed += 1
             self.stats.per_replica[name] = self.stats.per_replica.get(name, 0) + 1
-            self.policy.on_complete(request, result, name, self._clock())
-            self._remember(request, full, result)
-            if request.trajectory_id is not None:
-                self._put_recent(self._homes, request.trajectory_id, name)
-            if self.config.share_history and request.group_id is not None:
-                self._share(name, result, request.group_id,
-                            full if full is not None else request.prompt_ids)
+            try:
+                if deliver is not None:
+                    deliver(result, name)
+            finally:
+                self._book(request, result, name, full)
             return result, name
+
+    def _book(self, request: GenRequest, result: GenResult, name: str,
+              full: list[int] | None) -> None:
+        """What the router keeps of a completed request: the policy's feedback, the
+        trajectory's context and home, and the response as shared history."""
+        self.policy.on_complete(request, result, name, self._clock())
+        self._remember(request, full, result)
+        if request.trajectory_id is not None:
+            self._put_recent(self._homes, request.trajectory_id, name)
+        if self.config.share_history and request.group_id is not None:
+            self._share(name, result, request.group_id,
+                        full if full is not None else request.prompt_ids)
 
     def finish_trajectory(self, trajectory_id: str) -> bool:
         """The trajectory ended (the rollout driver knows; otherwise the policy infers it

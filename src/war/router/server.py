@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import time
 import uuid
@@ -57,11 +58,13 @@ from war.api import (
     unless_hung_up,
     validation_message,
 )
-from war.router.edge import FastRoute
+from war.router.edge import FastRoute, Respond
 from war.router.metrics import CONTENT_TYPE, RouterMetrics
 from war.router.policies.prefix_tree import plain_token_ids
 from war.router.router import NoReplicaAvailable, Router
 from war.types import GenRequest, GenResult, SamplingParams, UnknownTrajectory
+
+log = logging.getLogger("war.router.server")
 
 TEXT_PROMPT = ("the router needs token ids (it has no tokenizer): send the prompt as a list "
                "of ints or a list of such lists")
@@ -367,16 +370,34 @@ def create_router_app(router: Router, api_key: str | None = None,
         return error_response(APIError(exc.status_code, str(exc.detail), kind))
 
     async def complete(raw: bytes, headers: Mapping[str, str],
-                       receive: Receive | None = None) -> tuple[int, bytes]:
+                       receive: Receive | None = None,
+                       respond: Respond | None = None) -> tuple[int, bytes] | None:
         """Status and JSON body of the answer to a completions call (``headers``: lower-
         case names). ``receive``: the ASGI channel, to notice the client hanging up;
-        without it the caller cancels this on a hang-up (counted as 499)."""
+        without it the caller cancels this on a hang-up (counted as 499). ``respond``
+        (the edge's): a single prompt's success is answered through it as soon as the
+        replica has answered, before the router's bookkeeping (``Router.route``'s
+        ``deliver``), and None is returned; anything else is returned."""
         t0 = time.perf_counter()
         status = 500
+        answered = False
         try:
             try:
                 body = parse_completion_body(raw)
                 rid, reqs = build_requests(body, headers, eos)
+                if respond is not None and len(reqs) == 1:
+                    want_one = body.logprobs is not None and body.logprobs is not False
+                    model = body.model or model_name
+
+                    def deliver(result: GenResult, where: str) -> None:
+                        nonlocal status, answered
+                        payload = orjson.dumps(build_response(rid, model, [result], [where],
+                                                              want_one))
+                        status, answered = 200, True
+                        respond(200, payload)
+
+                    await router.route(reqs[0], deliver)
+                    return None
                 work = _generate_all(router, reqs)
                 results, where = await (work if receive is None
                                         else unless_hung_up(receive, work))
@@ -399,6 +420,9 @@ def create_router_app(router: Router, api_key: str | None = None,
             status = 200
             return status, payload
         except APIError as e:
+            if answered:  # the router failed after the answer went out: the client has it
+                log.error("completions: %s, after answering", e.message)
+                return None
             status = e.status
             return status, _error_body(e)
         except asyncio.CancelledError:
@@ -406,6 +430,13 @@ def create_router_app(router: Router, api_key: str | None = None,
             raise
         finally:
             metrics.observe_request(status, time.perf_counter() - t0)
+
+    async def answer(raw: bytes, headers: Mapping[str, str],
+                     receive: Receive | None) -> tuple[int, bytes]:
+        """``complete`` for the ASGI paths: the answer, returned."""
+        out = await complete(raw, headers, receive)
+        assert out is not None, "complete returns its answer when given no respond"
+        return out
 
     def too_large() -> tuple[int, bytes]:
         metrics.observe_request(413, 0.0)
@@ -427,7 +458,7 @@ def create_router_app(router: Router, api_key: str | None = None,
                 break
             chunks.append(chunk)
             if not message.get("more_body", False):
-                status, payload = await complete(b"".join(chunks), Headers(scope=scope),
+                status, payload = await answer(b"".join(chunks), Headers(scope=scope),
                                                  receive)
                 break
         await send({"type": "http.response.start", "status": status,
@@ -439,12 +470,13 @@ def create_router_app(router: Router, api_key: str | None = None,
                             else completions_asgi)
     # the same endpoint for ``war.router.edge`` (``war route``), without ASGI
     app.state.fast_routes = {("POST", "/v1/completions"): FastRoute(
-        handle=complete, too_large=too_large,
+        handle=lambda raw, headers, respond: complete(raw, headers, None, respond),
+        too_large=too_large,
         authorize=_bearer_check(api_key) if api_key else FastRoute.authorize)}
 
     @app.post("/v1/completions")  # reached only by calls the fast path passes on
     async def create_completion(request: Request) -> Response:
-        status, payload = await complete(await request.body(), request.headers,
+        status, payload = await answer(await request.body(), request.headers,
                                          request.receive)
         return Response(payload, status_code=status, media_type="application/json")
 
