@@ -216,8 +216,15 @@ class WarPolicy:
         context_len = prompt_len
         if request.continues and state is not None:
             context_len += state.context_len
-        loads = {r.name: load_score(r) for r in healthy}
-        self._expire_committed(now)
+        loads = {}
+        for r in healthy:  # (``load_score``, inlined: this runs for every request)
+            total, free, in_flight = r.kv_total_tokens, r.kv_free_tokens, r.tokens_in_flight
+            used = total - free if total is not None and free is not None else 0
+            used = used if used > 0 else 0
+            loads[r.name] = float(used if used > in_flight else in_flight)
+        seen = self._seen
+        if seen and seen[0][0] < now - cfg.progress.finish_idle_s:
+            self._expire_committed(now)
         candidates = _fitting(healthy, context_len + request.sampling.max_tokens)
         if candidates is healthy:  # (the common case: every replica fits)
             min_load = min(loads.values())
@@ -421,6 +428,12 @@ class WarPolicy:
 
 def _fitting(healthy: list[ReplicaView], need: int) -> list[ReplicaView]:
     """Rule 1: replicas whose KV can hold ``need`` tokens, else the largest ones."""
+    for r in healthy:  # (the common case, every replica fits, without a new list)
+        total = r.kv_total_tokens
+        if total is not None and total < need:
+            break
+    else:
+        return healthy
     fit = [r for r in healthy if r.kv_total_tokens is None or r.kv_total_tokens >= need]
     if len(fit) == len(healthy):
         return healthy
