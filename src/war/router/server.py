@@ -385,14 +385,14 @@ def create_router_app(router: Router, api_key: str | None = None,
             try:
                 body = parse_completion_body(raw)
                 rid, reqs = build_requests(body, headers, eos)
+                want = body.logprobs is not None and body.logprobs is not False
+                model = body.model or model_name
                 if respond is not None and len(reqs) == 1:
-                    want_one = body.logprobs is not None and body.logprobs is not False
-                    model = body.model or model_name
 
                     def deliver(result: GenResult, where: str) -> None:
                         nonlocal status, answered
                         payload = orjson.dumps(build_response(rid, model, [result], [where],
-                                                              want_one))
+                                                              want))
                         status, answered = 200, True
                         respond(200, payload)
 
@@ -414,9 +414,7 @@ def create_router_app(router: Router, api_key: str | None = None,
             except Exception as e:  # the router's own failure: report it, keep serving
                 raise APIError(500, f"router error: {e!r}", "server_error",
                                "router_error") from None
-            want = body.logprobs is not None and body.logprobs is not False
-            payload = orjson.dumps(build_response(rid, body.model or model_name, results,
-                                                  where, want))
+            payload = orjson.dumps(build_response(rid, model, results, where, want))
             status = 200
             return status, payload
         except APIError as e:
@@ -459,7 +457,7 @@ def create_router_app(router: Router, api_key: str | None = None,
             chunks.append(chunk)
             if not message.get("more_body", False):
                 status, payload = await answer(b"".join(chunks), Headers(scope=scope),
-                                                 receive)
+                                               receive)
                 break
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
@@ -477,7 +475,7 @@ def create_router_app(router: Router, api_key: str | None = None,
     @app.post("/v1/completions")  # reached only by calls the fast path passes on
     async def create_completion(request: Request) -> Response:
         status, payload = await answer(await request.body(), request.headers,
-                                         request.receive)
+                                       request.receive)
         return Response(payload, status_code=status, media_type="application/json")
 
     @app.post("/v1/trajectories/finish")
