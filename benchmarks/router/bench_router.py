@@ -1,8 +1,10 @@
 """Benchmark: the router's own cost, and its policies on real replicas.
 
 1. Routing throughput: instant replicas (they echo the prompt) over HTTP; `war route`
-   in front of them for each policy, SGLang's router (`sglang-router`, cache_aware) in
-   front of the same replicas when it is installed, and direct calls to one replica;
+   in front of them for each policy, reached over WAR's API (`/v1/completions`, WAR
+   backends) and over SGLang's (`/generate`, SGLang backends: the API sglang-router is
+   driven with), SGLang's router (`sglang-router`, cache_aware) in front of the same
+   replicas when it is installed, and direct calls to one replica over each API;
    a load client keeps `--concurrency` requests in flight, each continuing an earlier
    session (a prefix shared with an earlier prompt) with probability `affinity`.
    Requests/s, p50/p99 latency, and the latency a router adds over direct calls.
@@ -54,6 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="turns of each group's sessions (policies)")
     p.add_argument("--group-size", type=int, help="sessions per group (policies)")
     p.add_argument("--rl-steps", type=int, help="RL steps per run (policies)")
+    p.add_argument("--apis", nargs="+", choices=("war", "sglang"),
+                   help="APIs war route is reached over (throughput; default both)")
     p.add_argument("--no-sglang", action="store_true", help="skip SGLang's router")
     p.add_argument("--no-rps", action="store_true", help="skip the throughput measurement")
     p.add_argument("--no-policies", action="store_true", help="skip the policies measurement")
@@ -75,6 +79,8 @@ def configs(args: argparse.Namespace) -> tuple[RpsBenchConfig, PolicyBenchConfig
             rps_over[name] = getattr(args, flag)
     if args.affinities:
         rps_over["affinities"] = tuple(args.affinities)
+    if args.apis:
+        rps_over["apis"] = tuple(args.apis)
     pol_over = dict(common)
     if args.group_turns:
         pol_over["group_turns"] = tuple(args.group_turns)

@@ -4,6 +4,7 @@ policies measurement (unpaced engines) and the report's keys."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -78,11 +79,18 @@ def test_router_rps_rows() -> None:
     out = run_router_rps(config)
     assert out["sglang_router"]["available"] is False
     rows = out["router_rps"]
-    assert [(r["router"], r["policy"]) for r in rows] == [("direct", None),
-                                                         ("war", "round_robin")]
+    # war route over WAR's API and over SGLang's /generate (SGLang backends), and
+    # direct calls over each
+    assert [(r["router"], r["policy"], r["api"]) for r in rows] == [
+        ("direct", None, "war"), ("war", "round_robin", "war"),
+        ("war", "round_robin", "sglang"), ("direct", None, "sglang")]
     for r in rows:
         assert set(r) >= RPS_KEYS and r["errors"] == 0 and r["rps"] > 0
-    assert rows[0]["added_p50_ms"] == 0.0
+    assert rows[0]["added_p50_ms"] == 0.0 and rows[3]["added_p50_ms"] == 0.0
+    one = run_router_rps(dataclasses.replace(config, apis=("war",)))["router_rps"]
+    assert [(r["router"], r["api"]) for r in one] == [("direct", "war"), ("war", "war")]
+    with pytest.raises(ValueError, match="apis"):
+        dataclasses.replace(config, apis=("grpc",))
 
 
 def test_sessions_and_policy_rows() -> None:

@@ -363,8 +363,8 @@ class LoadFigures:
 async def drive(url: str, items: Sequence[LoadItem], concurrency: int, api: str = "war",
                 max_tokens: int = 8, timeout_s: float = 60.0) -> LoadFigures:
     """Sends ``items`` to ``url`` with ``concurrency`` requests in flight; ``api``:
-    ``war`` (``/v1/completions``, trajectory id in ``X-Trajectory-Id``) or ``sglang``
-    (``/generate`` with ``input_ids``)."""
+    ``war`` (``/v1/completions``) or ``sglang`` (``/generate`` with ``input_ids``); the
+    session is the ``X-Trajectory-Id`` header on both."""
     if api not in ("war", "sglang"):
         raise ValueError(f"api must be war or sglang, got {api!r}")
     latencies: list[float] = []
@@ -374,16 +374,17 @@ async def drive(url: str, items: Sequence[LoadItem], concurrency: int, api: str 
     async def worker(session: aiohttp.ClientSession) -> None:
         nonlocal errors
         for item in queue:
+            # the session rides in a header on both APIs (a router that does not use it
+            # reads the same bytes)
+            headers = {"X-Trajectory-Id": item.session}
             if api == "war":
                 path = "/v1/completions"
                 body: dict[str, Any] = {"prompt": list(item.prompt), "max_tokens": max_tokens,
                                         "temperature": 0.0}
-                headers = {"X-Trajectory-Id": item.session}
             else:
                 path = "/generate"
                 body = {"input_ids": list(item.prompt),
                         "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0}}
-                headers = {}
             t0 = time.perf_counter()
             try:
                 async with session.post(url + path, json=body, headers=headers) as r:
@@ -416,8 +417,10 @@ async def drive(url: str, items: Sequence[LoadItem], concurrency: int, api: str 
 class RpsBenchConfig:
     """The routing-throughput measurement: ``num_replicas`` instant replicas; per
     target, affinity and repeat, ``num_requests`` requests (after ``warmup``) with
-    ``concurrency`` in flight; ``policies`` of ``war route``; SGLang's router too when
-    ``sglang`` and it is installed."""
+    ``concurrency`` in flight; ``policies`` of ``war route``, each reached over each of
+    ``apis`` (``war``: WAR's ``/v1/completions`` to the router and to the replicas;
+    ``sglang``: SGLang's ``/generate`` on both legs, as SGLang's router is driven and
+    drives its workers); SGLang's router too when ``sglang`` and it is installed."""
 
     num_replicas: int = 4
     policies: tuple[str, ...] = POLICIES
@@ -428,6 +431,7 @@ class RpsBenchConfig:
     repeats: int = 5
     max_tokens: int = 8
     sglang: bool = True
+    apis: tuple[str, ...] = ("war", "sglang")
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -442,6 +446,8 @@ class RpsBenchConfig:
         unknown = set(self.policies) - set(POLICIES)
         if unknown:
             raise ValueError(f"unknown policies {sorted(unknown)}; known: {POLICIES}")
+        if not self.apis or set(self.apis) - {"war", "sglang"}:
+            raise ValueError(f"apis must be among war, sglang; got {self.apis}")
 
     @classmethod
     def quick(cls) -> RpsBenchConfig:
@@ -456,13 +462,17 @@ class _Target:
     api: str
 
 
-def _war_route_service(replica_urls: Sequence[str], policy: str, port: int) -> Service:
+def _war_route_service(replica_urls: Sequence[str], policy: str, port: int,
+                       api: str = "war") -> Service:
+    """``war route`` with ``policy`` in front of the replicas, reached over ``api``:
+    ``war`` (WAR's backends, ``/v1/completions``) or ``sglang`` (SGLang's backends,
+    ``/generate``, as sglang-router reaches them)."""
     argv = [sys.executable, "-m", "war.cli.main", "route", "--policy", policy,
             "--port", str(port), "--host", "127.0.0.1", "--log-level", "warning"]
     for url in replica_urls:
-        argv += ["--replica", "war+" + url]
+        argv += ["--replica", f"{api}+{url}"]
     env = {k: v for k, v in os.environ.items() if k != "WAR_API_KEY"}
-    return Service(f"war-route-{policy}", argv, f"http://127.0.0.1:{port}/health", env)
+    return Service(f"war-route-{policy}-{api}", argv, f"http://127.0.0.1:{port}/health", env)
 
 
 def _sglang_service(replica_urls: Sequence[str], port: int) -> Service:
@@ -489,10 +499,13 @@ def run_router_rps(config: RpsBenchConfig, log: Log = _quiet) -> dict[str, Any]:
         f"{replica_urls[-1]}/health")
     targets = [_Target("direct", None, replica_urls[0], "war")]
     items: list[Service] = [replicas]
-    for policy in config.policies:
-        port = free_port()
-        items.append(_war_route_service(replica_urls, policy, port))
-        targets.append(_Target("war", policy, f"http://127.0.0.1:{port}", "war"))
+    for api in config.apis:
+        for policy in config.policies:
+            port = free_port()
+            items.append(_war_route_service(replica_urls, policy, port, api))
+            targets.append(_Target("war", policy, f"http://127.0.0.1:{port}", api))
+    if "sglang" in config.apis and not sglang["available"]:
+        targets.append(_Target("direct", None, replica_urls[0], "sglang"))
     if sglang["available"]:
         port = free_port()
         items.append(_sglang_service(replica_urls, port))
@@ -893,6 +906,8 @@ def summary_line(report: dict[str, Any]) -> str:
             if r["affinity"] != top or (r["router"] == "direct" and r["api"] != "war"):
                 continue
             name = r["router"] if r["policy"] is None else f"{r['router']}/{r['policy']}"
+            if r["router"] == "war" and r["api"] == "sglang":
+                name += "[/generate]"
             extra = "" if r["router"] == "direct" else f" +{r['added_p50_ms']:.1f}ms"
             cells.append(f"{name} {r['rps']:.0f}/s{extra}")
         parts.append(f"rps@affinity {top:g}: " + ", ".join(cells))

@@ -75,42 +75,43 @@ def _all_ints(values: list[Any]) -> bool:
     return set(map(type, values)) == {int} or all(map(is_token, values))
 
 
-def _prompts(prompt: Any) -> list[list[int]]:
-    """Token-id prompts: a list of ints, or a list of such lists."""
+def _prompts(prompt: Any, name: str = "prompt", text: str = TEXT_PROMPT) -> list[list[int]]:
+    """Token-id prompts: a list of ints, or a list of such lists (``name``: the field,
+    for messages; ``text``: the message for text)."""
     if type(prompt) is list and prompt:
         if plain_token_ids(prompt):  # the common case: one native pass
             return [prompt]
         if _all_ints(prompt):  # ids the native check does not take (negative, >= 2**30)
             if min(prompt) < 0:
-                raise APIError(400, f"prompt: token id {min(prompt)} is negative",
-                               param="prompt")
+                raise APIError(400, f"{name}: token id {min(prompt)} is negative",
+                               param=name)
             return [prompt]
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                    and all(isinstance(p, str) for p in prompt)):
-        raise APIError(400, TEXT_PROMPT, param="prompt")
+        raise APIError(400, text, param=name)
     if not isinstance(prompt, list):
-        raise APIError(400, f"{TEXT_PROMPT}; got {type(prompt).__name__}", param="prompt")
+        raise APIError(400, f"{text}; got {type(prompt).__name__}", param=name)
     if not prompt:
-        raise APIError(400, "prompt is empty", param="prompt")
+        raise APIError(400, f"{name} is empty", param=name)
     if all(is_token(t) for t in prompt):
         prompts = [list(prompt)]
     elif all(isinstance(p, list) for p in prompt):
         for i, p in enumerate(prompt):
             bad = next((t for t in p if not is_token(t)), None)
             if bad is not None:
-                raise APIError(400, f"prompt[{i}]: token ids must be ints, got {bad!r}",
-                               param="prompt")
+                raise APIError(400, f"{name}[{i}]: token ids must be ints, got {bad!r}",
+                               param=name)
         prompts = [list(p) for p in prompt]
     else:
         bad = next(t for t in prompt if not is_token(t))
-        raise APIError(400, f"{TEXT_PROMPT}; got the element {bad!r}", param="prompt")
+        raise APIError(400, f"{text}; got the element {bad!r}", param=name)
     for i, ids in enumerate(prompts):
-        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        where = name if len(prompts) == 1 else f"{name}[{i}]"
         if not ids:
-            raise APIError(400, f"{where} is empty", param="prompt")
+            raise APIError(400, f"{where} is empty", param=name)
         bad_id = next((t for t in ids if t < 0), None)
         if bad_id is not None:
-            raise APIError(400, f"{where}: token id {bad_id} is negative", param="prompt")
+            raise APIError(400, f"{where}: token id {bad_id} is negative", param=name)
     return prompts
 
 
@@ -159,6 +160,27 @@ def _sampling(temperature: float, top_p: float, top_k: int, max_tokens: int,
     return sampling
 
 
+def _routing(headers: Mapping[str, str], rid: str | None, trajectory_id: str | None,
+             group_id: str | None, priority: float | None
+             ) -> tuple[str, str | None, str | None, float]:
+    """A request's id, trajectory, group and priority: the body's values, else the
+    routing headers' (``X-Request-Id``, ``X-Trajectory-Id``, ``X-Group-Id``,
+    ``X-Priority``), else a new id and priority 0."""
+    rid = rid or headers.get("x-request-id") or _new_request_id()
+    trajectory_id = trajectory_id or headers.get("x-trajectory-id")
+    group_id = group_id or headers.get("x-group-id")
+    if priority is None and "x-priority" in headers:
+        try:
+            priority = float(headers["x-priority"])
+        except ValueError:
+            raise APIError(400, f"X-Priority must be a number, got {headers['x-priority']!r}",
+                           param="priority") from None
+    priority = 0.0 if priority is None else priority
+    if not math.isfinite(priority):
+        raise APIError(400, f"priority must be finite, got {priority}", param="priority")
+    return rid, trajectory_id, group_id, priority
+
+
 def build_requests(body: CompletionRequest, headers: Mapping[str, str],
                    eos_token_ids: Sequence[int] = ()) -> tuple[str, list[GenRequest]]:
     """The response id and one ``GenRequest`` per prompt (``<id>-<i>`` when several).
@@ -192,20 +214,8 @@ def build_requests(body: CompletionRequest, headers: Mapping[str, str],
     if any(not s for s in stop):
         raise APIError(400, "stop strings must be non-empty", param="stop")
 
-    rid = body.request_id or headers.get("x-request-id") or _new_request_id()
-    trajectory_id = body.trajectory_id or headers.get("x-trajectory-id")
-    group_id = body.group_id or headers.get("x-group-id")
-    priority = body.priority
-    if priority is None and "x-priority" in headers:
-        try:
-            priority = float(headers["x-priority"])
-        except ValueError:
-            raise APIError(400, f"X-Priority must be a number, got {headers['x-priority']!r}",
-                           param="priority") from None
-    priority = 0.0 if priority is None else priority
-    if not math.isfinite(priority):
-        raise APIError(400, f"priority must be finite, got {priority}", param="priority")
-
+    rid, trajectory_id, group_id, priority = _routing(
+        headers, body.request_id, body.trajectory_id, body.group_id, body.priority)
     prompts = _prompts(body.prompt)
     try:
         sampling = _sampling(1.0 if body.temperature is None else body.temperature,
@@ -266,6 +276,206 @@ def build_response(rid: str, model: str, results: Sequence[GenResult],
             "replicas": list(replicas),
         },
     }
+
+
+# --------------------------------------------------------------------------- SGLang's /generate
+
+GENERATE_TEXT = ("the router needs token ids (it has no tokenizer): send input_ids, a list "
+                 "of ints or a list of such lists")
+# SGLang's /generate fields WAR takes; the others are refused unless they hold the value
+# that does nothing (``_GENERATE_NEUTRAL``).
+_GENERATE_FIELDS = frozenset({"input_ids", "sampling_params", "rid", "return_logprob",
+                              "priority", "text", "stream", "return_text_in_logprobs"})
+_GENERATE_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logprob_start_len": (None, -1), "top_logprobs_num": (None, 0)}
+_SAMPLING_FIELDS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop",
+                              "stop_token_ids", "ignore_eos", "sampling_seed", "seed"})
+# settings that change nothing here (detokenization: the router returns no text) or are
+# accepted only at their neutral value
+_SAMPLING_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "skip_special_tokens": (None, True, False), "spaces_between_special_tokens": (None, True,
+                                                                                   False),
+    "no_stop_trim": (None, True, False), "min_p": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0), "min_new_tokens": (None, 0), "n": (None, 1),
+    "regex": (None,), "json_schema": (None,), "ebnf": (None,), "structural_tag": (None,),
+    "logit_bias": (None,), "custom_params": (None,)}
+GENERATE_MAX_NEW_TOKENS = 128  # SGLang's default for ``max_new_tokens``
+
+
+def _check_fields(data: Mapping[str, Any], known: frozenset[str],
+                  neutral: Mapping[str, tuple[Any, ...]], where: str) -> None:
+    for key, value in data.items():
+        if key in known and key not in neutral:
+            continue
+        allowed = neutral.get(key)
+        if allowed is None:
+            raise APIError(400, f"{where}{key} is not supported by the WAR router",
+                           param=key)
+        if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
+            raise APIError(400, f"{where}{key}={value!r} is not supported by the WAR router "
+                           f"(only {', '.join(repr(a) for a in allowed)})", param=key)
+
+
+def _generate_sampling(params: Any, eos_token_ids: Sequence[int],
+                       logprobs: bool) -> SamplingParams:
+    """WAR's ``SamplingParams`` of one SGLang ``sampling_params`` object."""
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise APIError(400, "sampling_params must be an object (or a list of them, one per "
+                       "prompt)", param="sampling_params")
+    _check_fields(params, _SAMPLING_FIELDS, _SAMPLING_NEUTRAL, "sampling_params.")
+
+    def number(key: str, default: float) -> float:
+        value = params.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise APIError(400, f"sampling_params.{key} must be a number, got {value!r}",
+                           param=key)
+        return value
+
+    def integer(key: str, default: int | None) -> int | None:
+        value = params.get(key)
+        if value is None:
+            return default
+        if not is_token(value):
+            raise APIError(400, f"sampling_params.{key} must be an int, got {value!r}",
+                           param=key)
+        return int(value)
+
+    max_new = integer("max_new_tokens", GENERATE_MAX_NEW_TOKENS)
+    assert max_new is not None
+    if max_new < 1:
+        raise APIError(400, f"sampling_params.max_new_tokens must be >= 1, got {max_new}",
+                       param="max_new_tokens")
+    top_k = integer("top_k", -1)
+    assert top_k is not None
+    if top_k < -1 or top_k == 0:
+        raise APIError(400, f"sampling_params.top_k must be -1 (off) or >= 1, got {top_k}",
+                       param="top_k")
+    seed = integer("sampling_seed", None)
+    if seed is None:
+        seed = integer("seed", None)
+    ignore_eos = params.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise APIError(400, f"sampling_params.ignore_eos must be a bool, got {ignore_eos!r}",
+                       param="ignore_eos")
+    raw_ids = params.get("stop_token_ids") or []
+    if not isinstance(raw_ids, list) or not all(is_token(t) and t >= 0 for t in raw_ids):
+        raise APIError(400, "sampling_params.stop_token_ids must be a list of token ids >= 0",
+                       param="stop_token_ids")
+    stop_ids = list(raw_ids)
+    if not ignore_eos:
+        stop_ids += [t for t in eos_token_ids if t not in stop_ids]
+    raw_stop = params.get("stop")
+    stop = [raw_stop] if isinstance(raw_stop, str) else raw_stop or []
+    if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+        raise APIError(400, "sampling_params.stop must be a non-empty string or a list of "
+                       "them", param="stop")
+    try:
+        return _sampling(number("temperature", 1.0), number("top_p", 1.0), max(top_k, 0),
+                         max_new, tuple(stop_ids), tuple(stop), seed, logprobs)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def build_generate_requests(data: Any, headers: Mapping[str, str],
+                            eos_token_ids: Sequence[int] = ()
+                            ) -> tuple[list[GenRequest], bool, bool]:
+    """SGLang's ``/generate`` body as ``GenRequest``s (one per prompt of ``input_ids``);
+    returns them, whether the body was a batch and whether logprobs were asked for.
+    Routing keys come from the headers (SGLang's body has none), ``rid`` names the
+    request(s), ``priority`` is WAR's (higher first). Raises ``APIError`` (400) for
+    what the router refuses."""
+    if not isinstance(data, dict):
+        raise APIError(400, "invalid request: the body must be a JSON object")
+    if data.get("text") is not None:
+        raise APIError(400, GENERATE_TEXT, param="text")
+    if data.get("stream"):
+        raise APIError(400, "stream=true is not supported", param="stream")
+    _check_fields(data, _GENERATE_FIELDS, _GENERATE_NEUTRAL, "")
+    if "input_ids" not in data:
+        raise APIError(400, GENERATE_TEXT, param="input_ids")
+    ids = data["input_ids"]
+    batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+    prompts = _prompts(ids, "input_ids", GENERATE_TEXT)
+    logprobs = data.get("return_logprob")
+    if logprobs is None:
+        logprobs = False
+    if not isinstance(logprobs, bool):
+        raise APIError(400, f"return_logprob must be a bool, got {logprobs!r}",
+                       param="return_logprob")
+    params = data.get("sampling_params")
+    if isinstance(params, list):
+        if len(params) != len(prompts):
+            raise APIError(400, f"sampling_params has {len(params)} entries for "
+                           f"{len(prompts)} prompts", param="sampling_params")
+        samplings = [_generate_sampling(p, eos_token_ids, logprobs) for p in params]
+    else:
+        samplings = [_generate_sampling(params, eos_token_ids, logprobs)] * len(prompts)
+    rids = data.get("rid")
+    if isinstance(rids, list):
+        if len(rids) != len(prompts) or not all(isinstance(r, str) and r for r in rids):
+            raise APIError(400, "rid must be one non-empty string per prompt", param="rid")
+        names: list[str | None] = list(rids)
+    elif rids is None or (isinstance(rids, str) and rids):
+        names = [rids] if len(prompts) == 1 else [
+            None if rids is None else f"{rids}-{i}" for i in range(len(prompts))]
+    else:
+        raise APIError(400, f"rid must be a non-empty string, got {rids!r}", param="rid")
+    priority = data.get("priority")
+    if priority is not None and (isinstance(priority, bool)
+                                 or not isinstance(priority, (int, float))):
+        raise APIError(400, f"priority must be a number, got {priority!r}", param="priority")
+    requests = []
+    for i, (prompt, sampling, name) in enumerate(zip(prompts, samplings, names, strict=True)):
+        rid, trajectory_id, group_id, prio = _routing(
+            headers, name, None, None, None if priority is None else float(priority))
+        if name is None and len(prompts) > 1:
+            rid = f"{rid}-{i}"
+        try:
+            requests.append(GenRequest(rid, tuple(prompt), sampling, trajectory_id, group_id,
+                                       prio))
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+    return requests, batch, logprobs
+
+
+def build_generate_response(results: Sequence[GenResult], replicas: Sequence[str | None],
+                            requests: Sequence[GenRequest], batch: bool,
+                            want_logprobs: bool) -> Any:
+    """SGLang's ``/generate`` answer (a list for a batch): ``text`` is empty (no
+    tokenizer), ``output_ids``, and ``meta_info`` with SGLang's ``id``,
+    ``finish_reason`` (``{"type": "length", "length": n}``, ``{"type": "stop"}`` with
+    the matched stop token id when one ended it, or ``{"type": "abort"}``), token
+    counts, ``output_token_logprobs`` (``[logprob, token id, null]``) when asked for,
+    and WAR's ``replica`` and ``war`` figures."""
+    out = []
+    for r, where, req in zip(results, replicas, requests, strict=True):
+        if r.finish_reason == "length":
+            reason: dict[str, Any] = {"type": "length", "length": len(r.output_ids)}
+        elif r.finish_reason == "stop":
+            reason = {"type": "stop"}
+            if r.output_ids and r.output_ids[-1] in req.sampling.stop_token_ids:
+                reason["matched"] = r.output_ids[-1]
+        else:
+            reason = {"type": "abort"}
+        meta: dict[str, Any] = {
+            "id": req.request_id, "finish_reason": reason,
+            "prompt_tokens": r.num_prompt_tokens, "completion_tokens": len(r.output_ids),
+            "cached_tokens": r.num_cached_tokens, "replica": where,
+            "war": {"forward_passes": r.num_forward_passes, "draft_tokens": r.num_draft_tokens,
+                    "accepted_tokens": r.num_accepted_tokens, "preemptions": r.num_preemptions,
+                    "weight_version": r.weight_version, "queue_s": r.queue_s,
+                    "total_s": r.total_s}}
+        if want_logprobs:
+            meta["output_token_logprobs"] = [[finite_logprob(x), t, None]
+                                             for x, t in zip(r.logprobs, r.output_ids,
+                                                             strict=False)]
+        out.append({"text": "", "output_ids": list(r.output_ids), "meta_info": meta})
+    return out if batch else out[0]
 
 
 async def _generate_all(router: Router, requests: Sequence[GenRequest]
@@ -369,13 +579,40 @@ def create_router_app(router: Router, api_key: str | None = None,
             exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
         return error_response(APIError(exc.status_code, str(exc.detail), kind))
 
-    async def complete(raw: bytes, headers: Mapping[str, str],
-                       receive: Receive | None = None,
-                       respond: Respond | None = None) -> tuple[int, bytes] | None:
-        """Status and JSON body of the answer to a completions call (``headers``: lower-
-        case names). ``receive``: the ASGI channel, to notice the client hanging up;
-        without it the caller cancels this on a hang-up (counted as 499). ``respond``
-        (the edge's): a single prompt's success is answered through it as soon as the
+    Render = Callable[[Sequence[GenResult], Sequence[str | None]], bytes]
+    Parse = Callable[[bytes, Mapping[str, str]], tuple[list[GenRequest], Render]]
+
+    def parse_completions(raw: bytes, headers: Mapping[str, str]
+                          ) -> tuple[list[GenRequest], Render]:
+        body = parse_completion_body(raw)
+        rid, reqs = build_requests(body, headers, eos)
+        want = body.logprobs is not None and body.logprobs is not False
+        model = body.model or model_name
+
+        def render(results: Sequence[GenResult], where: Sequence[str | None]) -> bytes:
+            return orjson.dumps(build_response(rid, model, results, where, want))
+        return reqs, render
+
+    def parse_generate(raw: bytes, headers: Mapping[str, str]
+                       ) -> tuple[list[GenRequest], Render]:
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise APIError(400, f"invalid request: the body is not JSON ({e})") from None
+        reqs, batch, want = build_generate_requests(data, headers, eos)
+
+        def render(results: Sequence[GenResult], where: Sequence[str | None]) -> bytes:
+            return orjson.dumps(build_generate_response(results, where, reqs, batch, want))
+        return reqs, render
+
+    async def serve(parse: Parse, raw: bytes, headers: Mapping[str, str],
+                    receive: Receive | None = None,
+                    respond: Respond | None = None) -> tuple[int, bytes] | None:
+        """Status and JSON body of the answer to a generation call (``parse``: its API's
+        body -> requests and the renderer of their results; ``headers``: lower-case
+        names). ``receive``: the ASGI channel, to notice the client hanging up; without
+        it the caller cancels this on a hang-up (counted as 499). ``respond`` (the
+        edge's): a single prompt's success is answered through it as soon as the
         replica has answered, before the router's bookkeeping (``Router.route``'s
         ``deliver``), and None is returned; anything else is returned."""
         t0 = time.perf_counter()
@@ -383,16 +620,12 @@ def create_router_app(router: Router, api_key: str | None = None,
         answered = False
         try:
             try:
-                body = parse_completion_body(raw)
-                rid, reqs = build_requests(body, headers, eos)
-                want = body.logprobs is not None and body.logprobs is not False
-                model = body.model or model_name
+                reqs, render = parse(raw, headers)
                 if respond is not None and len(reqs) == 1:
 
                     def deliver(result: GenResult, where: str) -> None:
                         nonlocal status, answered
-                        payload = orjson.dumps(build_response(rid, model, [result], [where],
-                                                              want))
+                        payload = render([result], [where])
                         status, answered = 200, True
                         respond(200, payload)
 
@@ -414,7 +647,7 @@ def create_router_app(router: Router, api_key: str | None = None,
             except Exception as e:  # the router's own failure: report it, keep serving
                 raise APIError(500, f"router error: {e!r}", "server_error",
                                "router_error") from None
-            payload = orjson.dumps(build_response(rid, model, results, where, want))
+            payload = render(results, where)
             status = 200
             return status, payload
         except APIError as e:
@@ -429,11 +662,11 @@ def create_router_app(router: Router, api_key: str | None = None,
         finally:
             metrics.observe_request(status, time.perf_counter() - t0)
 
-    async def answer(raw: bytes, headers: Mapping[str, str],
-                     receive: Receive | None) -> tuple[int, bytes]:
-        """``complete`` for the ASGI paths: the answer, returned."""
-        out = await complete(raw, headers, receive)
-        assert out is not None, "complete returns its answer when given no respond"
+    async def answer(raw: bytes, headers: Mapping[str, str], receive: Receive | None,
+                     parse: Parse = parse_completions) -> tuple[int, bytes]:
+        """``serve`` for the ASGI paths: the answer, returned."""
+        out = await serve(parse, raw, headers, receive)
+        assert out is not None, "serve returns its answer when given no respond"
         return out
 
     def too_large() -> tuple[int, bytes]:
@@ -467,15 +700,27 @@ def create_router_app(router: Router, api_key: str | None = None,
     app.fast_completions = (BearerAuth(completions_asgi, api_key) if api_key
                             else completions_asgi)
     # the same endpoint for ``war.router.edge`` (``war route``), without ASGI
-    app.state.fast_routes = {("POST", "/v1/completions"): FastRoute(
-        handle=lambda raw, headers, respond: complete(raw, headers, None, respond),
-        too_large=too_large,
-        authorize=_bearer_check(api_key) if api_key else FastRoute.authorize)}
+    authorize = _bearer_check(api_key) if api_key else FastRoute.authorize
+    app.state.fast_routes = {
+        ("POST", "/v1/completions"): FastRoute(
+            handle=lambda raw, headers, respond: serve(parse_completions, raw, headers, None,
+                                                       respond),
+            too_large=too_large, authorize=authorize),
+        ("POST", "/generate"): FastRoute(
+            handle=lambda raw, headers, respond: serve(parse_generate, raw, headers, None,
+                                                       respond),
+            too_large=too_large, authorize=authorize)}
 
     @app.post("/v1/completions")  # reached only by calls the fast path passes on
     async def create_completion(request: Request) -> Response:
         status, payload = await answer(await request.body(), request.headers,
                                        request.receive)
+        return Response(payload, status_code=status, media_type="application/json")
+
+    @app.post("/generate")  # SGLang's native API (``war route`` serves it on the edge)
+    async def generate(request: Request) -> Response:
+        status, payload = await answer(await request.body(), request.headers,
+                                       request.receive, parse_generate)
         return Response(payload, status_code=status, media_type="application/json")
 
     @app.post("/v1/trajectories/finish")
