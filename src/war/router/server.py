@@ -1,7 +1,9 @@
 """The HTTP edge of the router: the replica's completions API in front of a fleet.
 
 Knows: the body of ``POST /v1/completions`` (the replica's ``CompletionRequest``,
-reused), how a body and the routing headers (``X-Request-Id``, ``X-Trajectory-Id``,
+reused) and of SGLang's native ``POST /generate`` with token ids (for clients written
+against SGLang: its fields, which of them WAR honours, and its answer's shape), how a
+body and the routing headers (``X-Request-Id``, ``X-Trajectory-Id``,
 ``X-Group-Id``, ``X-Priority``; body fields win) become ``GenRequest``s for
 ``Router.generate``, the response (the replica's shape, plus the name of the replica
 that served each choice), how failures map to statuses (a replica's refusal: 400; an
