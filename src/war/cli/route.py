@@ -2,7 +2,7 @@
 
 Knows the options of the command, how they become backends (``make_backend`` on each
 ``--replica`` spec), a routing policy (``make_policy``), a ``Router`` and its app, and
-how to serve the app with ``war.router.edge`` (its completions endpoint without ASGI,
+how to serve the app with ``war.router.edge`` (its generation endpoints without ASGI,
 the rest through the app), the router's health checks running for the app's lifetime
 (started and stopped by its lifespan). Binds 127.0.0.1 unless told otherwise;
 the API key comes from ``--api-key`` or ``WAR_API_KEY``. A spec or option it cannot use
@@ -36,8 +36,9 @@ BAD_USAGE_STATUS = 2
 def add_route_command(commands: Subparsers) -> None:
     p = commands.add_parser(
         "route",
-        help="route requests over several replicas (one OpenAI-compatible endpoint)",
-        description="Serves POST /v1/completions (token-id prompts), /health, /v1/load and "
+        help="route requests over several replicas (OpenAI-style and SGLang endpoints)",
+        description="Serves POST /v1/completions and SGLang's POST /generate (token-id "
+        "prompts), /health, /v1/load and "
         "/metrics in front of replicas given as specs: war+http://HOST:PORT (war serve), "
         "vllm+http://HOST:PORT, sglang+http://HOST:PORT.",
     )
