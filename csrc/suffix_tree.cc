@@ -330,8 +330,14 @@ void SuffixTree::append(int64_t seq_id, const int32_t* tokens, size_t n) {
     throw std::invalid_argument("sequence " + std::to_string(seq_id) + " would exceed " +
                                 std::to_string(std::numeric_limits<int32_t>::max() / 2) +
                                 " tokens");
-  slots_[slot].tokens.reserve(slots_[slot].tokens.size() + n);
-  slot_data_[slot] = slots_[slot].tokens.data();
+  std::vector<int32_t>& toks = slots_[slot].tokens;
+  if (toks.capacity() < toks.size() + n) {
+    // Geometric growth: a reserve of the exact size at every append would copy the
+    // whole sequence on each call, quadratic in a trajectory appended a few tokens
+    // at a time.
+    toks.reserve(std::max(toks.size() + n, 2 * toks.capacity()));
+  }
+  slot_data_[slot] = toks.data();
   for (size_t i = 0; i < n; ++i) append_token(slot, tokens[i]);
 }
 
