@@ -55,6 +55,11 @@ def test_defaults_batches_and_per_prompt_settings() -> None:
     assert a.seen[-1].sampling.stop_token_ids == ()  # ignore_eos: no eos added
     r = client.post("/generate", json={"input_ids": [[1], [2]], "rid": "b"})
     assert [o["meta_info"]["id"] for o in r.json()] == ["b-0", "b-1"]
+    r = client.post("/generate", json={"input_ids": [[1], [2]]}, headers={"X-Request-Id": "h"})
+    assert [o["meta_info"]["id"] for o in r.json()] == ["h-0", "h-1"]
+    ids = [o["meta_info"]["id"] for o in client.post("/generate",
+                                                      json={"input_ids": [[1], [2]]}).json()]
+    assert ids[0].endswith("-0") and ids[1] == ids[0][:-1] + "1"  # one new name, numbered
 
 
 @pytest.mark.parametrize("body, param", [

@@ -423,8 +423,11 @@ def build_generate_requests(data: Any, headers: Mapping[str, str],
             raise APIError(400, "rid must be one non-empty string per prompt", param="rid")
         names: list[str | None] = list(rids)
     elif rids is None or (isinstance(rids, str) and rids):
-        names = [rids] if len(prompts) == 1 else [
-            None if rids is None else f"{rids}-{i}" for i in range(len(prompts))]
+        if len(prompts) == 1:
+            names = [rids]
+        else:  # a batch under one name (the body's, the header's or a new one): <name>-<i>
+            base = rids or headers.get("x-request-id") or _new_request_id()
+            names = [f"{base}-{i}" for i in range(len(prompts))]
     else:
         raise APIError(400, f"rid must be a non-empty string, got {rids!r}", param="rid")
     priority = data.get("priority")
@@ -432,11 +435,9 @@ def build_generate_requests(data: Any, headers: Mapping[str, str],
                                  or not isinstance(priority, (int, float))):
         raise APIError(400, f"priority must be a number, got {priority!r}", param="priority")
     requests = []
-    for i, (prompt, sampling, name) in enumerate(zip(prompts, samplings, names, strict=True)):
+    for prompt, sampling, name in zip(prompts, samplings, names, strict=True):
         rid, trajectory_id, group_id, prio = _routing(
             headers, name, None, None, None if priority is None else float(priority))
-        if name is None and len(prompts) > 1:
-            rid = f"{rid}-{i}"
         try:
             requests.append(GenRequest(rid, tuple(prompt), sampling, trajectory_id, group_id,
                                        prio))
