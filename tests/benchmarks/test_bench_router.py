@@ -46,8 +46,14 @@ def test_load_affinity_and_percentiles() -> None:
     fresh = build_load(50, 0.0, seed=1)
     assert len({i.session for i in fresh}) == 50
     same = build_load(50, 1.0, seed=1, prompt_tokens=4, turn_tokens=2, max_context=1000)
-    assert {i.session for i in same} == {"s0"}
+    assert {i.session for i in same} == {"1:s0"}
     assert all(b.prompt[:len(a.prompt)] == a.prompt for a, b in itertools.pairwise(same))
+    # a session past max_context is a new session: a new id, never an old one reused
+    short = build_load(12, 1.0, seed=2, prompt_tokens=4, turn_tokens=4, max_context=12)
+    assert [i.session for i in short] == ["2:s0"] * 3 + ["2:s1"] * 3 + ["2:s2"] * 3 + [
+        "2:s3"] * 3
+    assert short[3].prompt[:4] != short[2].prompt[:4]
+    assert not {i.session for i in fresh} & {i.session for i in build_load(50, 0.0, seed=2)}
     assert build_load(30, 0.5, seed=3) == build_load(30, 0.5, seed=3)
     with pytest.raises(ValueError):
         build_load(1, 1.5, seed=0)

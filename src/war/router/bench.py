@@ -330,22 +330,26 @@ def build_load(num_requests: int, affinity: float, seed: int, prompt_tokens: int
     """``num_requests`` prompts; each continues an earlier session (its prompt plus
     ``turn_tokens`` new tokens) with probability ``affinity``, else starts a session
     with ``prompt_tokens`` fresh tokens. A session that would exceed ``max_context``
-    starts over."""
+    is replaced by a new one in its place. Session ids (``<seed>:s<n>``) are never
+    reused, within a load or across loads of different seeds: a router that follows
+    trajectories must not see an unrelated conversation come back under an old id."""
     if not 0.0 <= affinity <= 1.0:
         raise ValueError(f"affinity must be in [0, 1], got {affinity}")
     rng = random.Random(seed)
     sessions: list[tuple[str, tuple[int, ...]]] = []
     items = []
+    created = 0
     for _ in range(num_requests):
         if sessions and rng.random() < affinity:
             k = rng.randrange(len(sessions))
             sid, prompt = sessions[k]
             prompt = prompt + tuple(rng.randrange(vocab) for _ in range(turn_tokens))
             if len(prompt) > max_context:
+                sid, created = f"{seed}:s{created}", created + 1
                 prompt = tuple(rng.randrange(vocab) for _ in range(prompt_tokens))
             sessions[k] = (sid, prompt)
         else:
-            sid = f"s{len(sessions)}"
+            sid, created = f"{seed}:s{created}", created + 1
             prompt = tuple(rng.randrange(vocab) for _ in range(prompt_tokens))
             sessions.append((sid, prompt))
         items.append(LoadItem(sid, prompt))
