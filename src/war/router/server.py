@@ -421,25 +421,25 @@ def build_generate_requests(data: Any, headers: Mapping[str, str],
     if isinstance(rids, list):
         if len(rids) != len(prompts) or not all(isinstance(r, str) and r for r in rids):
             raise APIError(400, "rid must be one non-empty string per prompt", param="rid")
-        names: list[str | None] = list(rids)
-    elif rids is None or (isinstance(rids, str) and rids):
-        if len(prompts) == 1:
-            names = [rids]
-        else:  # a batch under one name (the body's, the header's or a new one): <name>-<i>
-            base = rids or headers.get("x-request-id") or _new_request_id()
-            names = [f"{base}-{i}" for i in range(len(prompts))]
-    else:
+    elif rids is not None and not (isinstance(rids, str) and rids):
         raise APIError(400, f"rid must be a non-empty string, got {rids!r}", param="rid")
     priority = data.get("priority")
     if priority is not None and (isinstance(priority, bool)
                                  or not isinstance(priority, (int, float))):
         raise APIError(400, f"priority must be a number, got {priority!r}", param="priority")
+    rid, trajectory_id, group_id, prio = _routing(
+        headers, rids if isinstance(rids, str) else None, None, None,
+        None if priority is None else float(priority))
+    if isinstance(rids, list):
+        names: list[str] = rids
+    elif len(prompts) == 1:
+        names = [rid]
+    else:  # a batch under one name (the body's, the header's or a new one): <name>-<i>
+        names = [f"{rid}-{i}" for i in range(len(prompts))]
     requests = []
     for prompt, sampling, name in zip(prompts, samplings, names, strict=True):
-        rid, trajectory_id, group_id, prio = _routing(
-            headers, name, None, None, None if priority is None else float(priority))
         try:
-            requests.append(GenRequest(rid, tuple(prompt), sampling, trajectory_id, group_id,
+            requests.append(GenRequest(name, tuple(prompt), sampling, trajectory_id, group_id,
                                        prio))
         except ValueError as e:
             raise APIError(400, str(e)) from None
