@@ -216,12 +216,7 @@ class WarPolicy:
         context_len = prompt_len
         if request.continues and state is not None:
             context_len += state.context_len
-        loads = {}
-        for r in healthy:  # (``load_score``, inlined: this runs for every request)
-            total, free, in_flight = r.kv_total_tokens, r.kv_free_tokens, r.tokens_in_flight
-            used = total - free if total is not None and free is not None else 0
-            used = used if used > 0 else 0
-            loads[r.name] = float(used if used > in_flight else in_flight)
+        loads = {r.name: load_score(r) for r in healthy}
         seen = self._seen
         if seen and seen[0][0] < now - cfg.progress.finish_idle_s:
             self._expire_committed(now)
