@@ -318,8 +318,20 @@ class ProgressEstimator:
 
     # ------------------------------------------------------------------ observing
 
-    def begin(self, trajectory_id: str, group_id: str | None, now: float) -> None:
-        """A request of the trajectory was sent."""
+    def begin(self, trajectory_id: str, group_id: str | None, now: float) -> float | None:
+        """A request of the trajectory was sent. Returns ``remaining_for`` as it
+        stood just before the call (the request's own turn included), so that a
+        caller that needs both pays for one lookup."""
+        t = self._active.get(trajectory_id)
+        if t is None:
+            t = self._idle.get(trajectory_id)
+            if t is None:
+                t = self._done.get(trajectory_id)
+        if t is None:
+            estimate = self.expected_remaining(group_id, 0, 0)
+        else:
+            estimate = self.expected_remaining(
+                group_id if group_id is not None else t.group_id, t.turns, t.tokens)
         self.expire(now)
         t = self._take(trajectory_id)
         if t is None:
@@ -332,10 +344,12 @@ class ProgressEstimator:
         t.since = now
         self._active[trajectory_id] = t
         self._bound()
+        return estimate
 
     def observe(self, trajectory_id: str, group_id: str | None, generated_tokens: int,
-                now: float) -> None:
-        """A turn of the trajectory completed with ``generated_tokens`` new tokens."""
+                now: float) -> float | None:
+        """A turn of the trajectory completed with ``generated_tokens`` new tokens.
+        Returns ``remaining_for`` after the call (the work expected of its next turns)."""
         if generated_tokens < 0:
             raise ValueError(f"trajectory {trajectory_id}: generated_tokens < 0")
         self.expire(now)
@@ -349,6 +363,10 @@ class ProgressEstimator:
         t.turns += 1
         t.tokens += generated_tokens
         self._settle(trajectory_id, t, now)
+        # (``_settle`` may have dropped it to stay within bounds: then nothing is known)
+        if trajectory_id not in self._active and trajectory_id not in self._idle:
+            return self.remaining_for(trajectory_id, group_id)
+        return self.expected_remaining(t.group_id, t.turns, t.tokens)
 
     def abort(self, trajectory_id: str, now: float) -> None:
         """A request of the trajectory failed (no turn was done)."""
@@ -407,11 +425,12 @@ class ProgressEstimator:
         """Expected tokens still to generate by a trajectory of ``group_id`` that has
         done ``turns_done`` turns and ``tokens_done`` tokens (module docstring);
         ``None`` when no finished sample is known."""
+        # (``.items`` tested directly: ``len`` of a table is a Python call)
         table = self._groups.get(group_id) if group_id is not None else None
-        if not table:
+        if table is None or not table.items:
             table = self._global
-        if not table:
-            return None
+            if not table.items:
+                return None
         return table.remaining(turns_done, tokens_done, self.config.rate_prior_turns)
 
     def remaining_for(self, trajectory_id: str, group_id: str | None) -> float | None:

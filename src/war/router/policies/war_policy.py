@@ -76,12 +76,13 @@ decisions. Memory is bounded: trajectories unseen for ``trajectory_ttl_s`` are f
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from war.router.policies.base import Decision, ReplicaView
 from war.router.policies.cache_aware import is_imbalanced
 from war.router.policies.prefix_tree import PendingEnds, PrefixTree
-from war.router.policies.progress import ProgressConfig, ProgressEstimator, RecentMap
+from war.router.policies.progress import ProgressConfig, ProgressEstimator
 from war.router.policies.round_robin import healthy_sorted
 from war.types import GenRequest, GenResult
 
@@ -178,10 +179,15 @@ class WarPolicyStats:
     spread: int = 0  # placed on the least loaded replica
 
 
-@dataclass
 class _Placement:
-    replica: str | None  # holds the trajectory's KV; None: that replica went down
-    context_len: int  # tokens of the trajectory's context known here
+    """Where a trajectory's KV is, updated in place turn after turn."""
+
+    __slots__ = ("at", "context_len", "replica")
+
+    def __init__(self, replica: str | None, context_len: int, at: float) -> None:
+        self.replica = replica  # holds the trajectory's KV; None: that replica went down
+        self.context_len = context_len  # tokens of the trajectory's context known here
+        self.at = at  # last put: the map is ordered by it, and forgets it after the TTL
 
 
 class WarPolicy:
@@ -195,8 +201,9 @@ class WarPolicy:
         self._ends = PendingEnds()  # request -> where its prompt's path ends
         self.progress = ProgressEstimator(self.config.progress)
         self.stats = WarPolicyStats()
-        self._placements: RecentMap[str, _Placement] = RecentMap(
-            self.config.max_trajectories, self.config.trajectory_ttl_s)
+        # trajectory -> placement, least recently put first (a ``RecentMap`` whose
+        # values are updated in place: one lookup and no allocation per turn)
+        self._placements: OrderedDict[str, _Placement] = OrderedDict()
         # committed work: trajectory -> (replica, expected remaining tokens, last seen)
         # trajectory -> (replica, expected work, last seen, group)
         self._committed: dict[str, tuple[str, float, float, str | None]] = {}
@@ -209,9 +216,15 @@ class WarPolicy:
     def select(self, request: GenRequest, replicas: list[ReplicaView], now: float) -> Decision:
         cfg = self.config
         healthy = healthy_sorted(replicas)
-        self._placements.expire(now)
+        placements = self._placements
+        ttl = cfg.trajectory_ttl_s
+        if placements and next(iter(placements.values())).at + ttl < now:
+            self._expire_placements(now)
         tid = request.trajectory_id
-        state = self._placements.get(tid, now) if tid is not None else None
+        state = placements.get(tid) if tid is not None else None
+        if state is not None and state.at + ttl < now:  # (out of order times)
+            del placements[tid]
+            state = None
         prompt_len = len(request.prompt_ids)
         context_len = prompt_len
         if request.continues and state is not None:
@@ -257,11 +270,10 @@ class WarPolicy:
             self._ends.put(request.request_id, self.tree.insert(request.prompt_ids, choice, now))
         priority = None
         if tid is not None:
-            self._placements.put(tid, _Placement(choice, context_len), now)
-            remaining = self.progress.remaining_for(tid, request.group_id)
+            self._put_placement(tid, state, choice, context_len, now)
+            remaining = self.progress.begin(tid, request.group_id, now)  # (as it stood)
             if cfg.progress_priority:
                 priority = remaining
-            self.progress.begin(tid, request.group_id, now)
             # everything expected of it, this turn included, is committed to the replica
             self._commit(tid, choice, self._expected_work(remaining, request), now,
                          request.group_id)
@@ -337,13 +349,40 @@ class WarPolicy:
             self.tree.extend(end, request.prompt_ids, result.output_ids, replica, now)
         if tid is None:
             return
-        self.progress.observe(tid, request.group_id, len(result.output_ids), now)
-        state = self._placements.get(tid, now)
+        generated = len(result.output_ids)
+        remaining = self.progress.observe(tid, request.group_id, generated, now)
+        state = self._placements.get(tid)
+        if state is not None and state.at + self.config.trajectory_ttl_s < now:
+            del self._placements[tid]  # (expired: as if forgotten already)
+            state = None
         if state is not None:  # the replica that served the turn holds its context now
-            context = state.context_len + len(result.output_ids)
-            self._placements.put(tid, _Placement(replica, context), now)
-            remaining = self.progress.remaining_for(tid, request.group_id)
+            self._put_placement(tid, state, replica, state.context_len + generated, now)
             self._commit(tid, replica, self._expected_work(remaining, request), now)
+
+    def _put_placement(self, tid: str, state: _Placement | None, replica: str,
+                       context_len: int, now: float) -> None:
+        """Records where the trajectory is (``state``: its current placement, if any),
+        as the most recently put; forgets the oldest beyond ``max_trajectories``."""
+        placements = self._placements
+        if state is None:
+            placements[tid] = _Placement(replica, context_len, now)
+            while len(placements) > self.config.max_trajectories:
+                placements.popitem(last=False)
+        else:
+            state.replica = replica
+            state.context_len = context_len
+            state.at = now
+            placements.move_to_end(tid)
+
+    def _expire_placements(self, now: float) -> None:
+        """Forgets placements not put for ``trajectory_ttl_s`` (oldest first)."""
+        placements = self._placements
+        horizon = now - self.config.trajectory_ttl_s
+        while placements:
+            tid, state = next(iter(placements.items()))
+            if state.at >= horizon:
+                break
+            del placements[tid]
 
     def _commit(self, tid: str, replica: str, work: float, now: float,
                 group: str | None = None) -> None:
@@ -405,7 +444,7 @@ class WarPolicy:
         for tid in [t for t, (r, _, _, _) in self._committed.items() if r == replica]:
             self._uncommit(tid)
         self.tree.remove_replica(replica)
-        for _, state in self._placements.items():
+        for state in self._placements.values():
             if state.replica == replica:
                 state.replica = None
 
@@ -413,7 +452,7 @@ class WarPolicy:
         """The trajectory ended (optional; otherwise idleness tells): its totals join
         its group's finished samples and its placement is forgotten."""
         self.progress.finish(trajectory_id, now)
-        self._placements.pop(trajectory_id)
+        self._placements.pop(trajectory_id, None)
         self._uncommit(trajectory_id)
 
     def num_trajectories(self) -> int:
