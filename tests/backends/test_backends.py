@@ -651,6 +651,7 @@ def test_sglang_generate(with_output_ids: bool) -> None:
     assert result.logprobs == (-0.5, -0.5, -0.5)
     assert result.finish_reason == "length"
     assert (result.num_prompt_tokens, result.num_cached_tokens) == (2, 2)
+    assert result.total_s > 0  # the round trip, measured here
     assert seen[0] == {
         "input_ids": [40, 41], "return_logprob": True, "rid": "s1",
         "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 4,

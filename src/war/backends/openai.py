@@ -32,7 +32,6 @@ total as "unknown", not "full".
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import re
 import time
@@ -165,9 +164,11 @@ def _token_ids_from_strings(tokens: Sequence[Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def parse_vllm_completion(request: GenRequest, data: Mapping[str, Any]) -> GenResult:
+def parse_vllm_completion(request: GenRequest, data: Mapping[str, Any],
+                          total_s: float = 0.0) -> GenResult:
     """A vLLM ``/v1/completions`` answer as a ``GenResult``: token ids from
-    ``choices[0].token_ids``, else from ``logprobs.tokens`` (``"token_id:<id>"``)."""
+    ``choices[0].token_ids``, else from ``logprobs.tokens`` (``"token_id:<id>"``);
+    ``total_s``: the round trip, as measured by the caller."""
     choice = data["choices"][0]
     lp = choice.get("logprobs")
     raw_ids = choice.get("token_ids")
@@ -195,13 +196,14 @@ def parse_vllm_completion(request: GenRequest, data: Mapping[str, Any]) -> GenRe
         finish_reason=finish_reason(choice.get("finish_reason")),
         num_prompt_tokens=int(usage.get("prompt_tokens") or len(request.prompt_ids)),
         num_cached_tokens=int(details.get("cached_tokens") or 0),
+        total_s=total_s,
     )
 
 
-def parse_sglang_generate(request: GenRequest, data: Any) -> GenResult:
+def parse_sglang_generate(request: GenRequest, data: Any, total_s: float = 0.0) -> GenResult:
     """An SGLang ``/generate`` answer as a ``GenResult``: token ids from
     ``output_ids``, else from ``meta_info.output_token_logprobs`` (``[logprob,
-    token_id, text]`` triples)."""
+    token_id, text]`` triples); ``total_s``: the round trip, as measured by the caller."""
     if isinstance(data, list):  # a batch answer; one prompt was sent
         data = data[0]
     meta = data.get("meta_info") or {}
@@ -230,6 +232,7 @@ def parse_sglang_generate(request: GenRequest, data: Any) -> GenResult:
         finish_reason=finish_reason(kind),
         num_prompt_tokens=int(meta.get("prompt_tokens") or len(request.prompt_ids)),
         num_cached_tokens=int(meta.get("cached_tokens") or 0),
+        total_s=total_s,
     )
 
 
@@ -372,12 +375,12 @@ class OpenAICompatBackend:
                 if seen is not None and list(seen) != list(request.prompt_ids):
                     self.prompt_mismatches += 1
         try:
-            result = parse(request, data)
+            # (the round trip goes in as the result is built: ``replace`` would build it twice)
+            return parse(request, data, time.perf_counter() - t0)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise ReplicaUnavailable(
                 f"{self.name}: malformed {self.server} response: {type(e).__name__}: {e}"
             ) from e
-        return dataclasses.replace(result, total_s=time.perf_counter() - t0)
 
     # ---- load, health, history
 

@@ -275,8 +275,9 @@ class WarPolicy:
             if cfg.progress_priority:
                 priority = remaining
             # everything expected of it, this turn included, is committed to the replica
-            self._commit(tid, choice, self._expected_work(remaining, request), now,
-                         request.group_id)
+            # (no estimate: no finished sample at all, so none from the fleet either)
+            self._commit(tid, choice, float(request.sampling.max_tokens) if remaining is None
+                         else max(float(remaining), 1.0), now, request.group_id)
         elif cfg.progress_priority and request.group_id is not None:
             priority = self.progress.expected_remaining(request.group_id, 0, 0)
         return Decision(choice, priority, migrated)
@@ -357,7 +358,8 @@ class WarPolicy:
             state = None
         if state is not None:  # the replica that served the turn holds its context now
             self._put_placement(tid, state, replica, state.context_len + generated, now)
-            self._commit(tid, replica, self._expected_work(remaining, request), now)
+            self._commit(tid, replica, float(request.sampling.max_tokens) if remaining is None
+                         else max(float(remaining), 1.0), now)  # (as in ``select``)
 
     def _put_placement(self, tid: str, state: _Placement | None, replica: str,
                        context_len: int, now: float) -> None:
