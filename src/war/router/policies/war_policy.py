@@ -221,10 +221,12 @@ class WarPolicy:
         if placements and next(iter(placements.values())).at + ttl < now:
             self._expire_placements(now)
         tid = request.trajectory_id
-        state = placements.get(tid) if tid is not None else None
-        if state is not None and state.at + ttl < now:  # (out of order times)
-            del placements[tid]
-            state = None
+        state = None
+        if tid is not None:
+            state = placements.get(tid)
+            if state is not None and state.at + ttl < now:  # (out of order times)
+                del placements[tid]
+                state = None
         prompt_len = len(request.prompt_ids)
         context_len = prompt_len
         if request.continues and state is not None:
@@ -297,21 +299,20 @@ class WarPolicy:
         # are alike, so stacking them gambles the replica's share of the long tail.
         spread_group = (cfg.spread_unknown_groups and gid is not None
                         and not self.progress.has_samples(gid))
-        if gid is None:
-            counts = dict.fromkeys(work, 0)
-        else:
-            counts = {r.name: self._group_counts.get((gid, r.name), 0) for r in candidates}
-        min_count = min(counts.values())
-        min_load = min(loads[r.name] for r in candidates)
+        counts = (None if gid is None else
+                  {r.name: self._group_counts.get((gid, r.name), 0) for r in candidates})
         matched = {} if request.continues else self.tree.match(request.prompt_ids)
         hits = []
         if matched:  # (nobody holding any of the prompt: no candidate can be a hit)
             mine = self._expected_work(self.progress.remaining_for(tid, gid)
                                        if tid is not None else None, request)
             need = max(1.0, cfg.group_match_threshold * len(request.prompt_ids))
+            min_count = 0 if counts is None else min(counts.values())
+            min_load = min(loads[r.name] for r in candidates)
             min_requests = min(r.num_requests for r in candidates)
             hits = [r for r in candidates if matched.get(r.name, 0) >= need
-                    and not (spread_group and counts[r.name] > min_count)
+                    and not (spread_group and counts is not None
+                             and counts[r.name] > min_count)
                     and not is_imbalanced(work[r.name], min_work,
                                           cfg.group_work_slack * mine, cfg.group_rel)
                     and not is_imbalanced(loads[r.name], min_load, cfg.group_abs_tokens,
@@ -323,6 +324,10 @@ class WarPolicy:
             return min(hits, key=lambda r: (-matched[r.name], loads[r.name] + work[r.name],
                                             r.name)).name
         self.stats.spread += 1
+        if counts is None:  # (no group: its count is 0 everywhere)
+            return min(candidates, key=lambda r: (loads[r.name] + work[r.name],
+                                                  -matched.get(r.name, 0), r.num_requests,
+                                                  r.name)).name
         return min(candidates, key=lambda r: (loads[r.name] + work[r.name], counts[r.name],
                                               -matched.get(r.name, 0), r.num_requests,
                                               r.name)).name
