@@ -26,7 +26,7 @@ from war.router.policies import (
 )
 from war.router.policies.base import ReplicaView
 from war.router.policies.prefix_tree_reference import ReferencePrefixTree
-from war.router.policies.progress import RecentMap, Sample
+from war.router.policies.progress import Sample
 from war.types import GenRequest, GenResult, SamplingParams
 
 
@@ -649,17 +649,6 @@ def test_war_memory_is_bounded() -> None:
     p.select(req("late", tid="late"), tok_fleet(a=0), 1000.0)
     assert p.num_trajectories() == 1  # the others were forgotten by time
     assert p.progress.num_tracked() == 1
-
-
-def test_recent_map_forgets_by_time_and_count() -> None:
-    m: RecentMap[str, int] = RecentMap(max_items=2, ttl_s=10.0)
-    m.put("a", 1, 0.0)
-    m.put("b", 2, 5.0)
-    assert m.get("a", 10.0) == 1 and m.get("a", 10.1) is None
-    m.put("c", 3, 11.0)
-    m.put("d", 4, 12.0)
-    assert "b" not in m and len(m) == 2
-    assert m.expire(30.0) == 2 and len(m) == 0
 
 
 def test_war_config_validation() -> None:

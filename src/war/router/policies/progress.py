@@ -4,8 +4,7 @@ Knows: each tracked trajectory's progress (turns and generated tokens seen throu
 the router), which trajectories have finished, and per group (GRPO samples of one
 task; WAR's rollout uses the task id, so a group recurs in later RL steps) the
 totals of its finished samples, weighted down exponentially with age so earlier
-steps count less than the current one. Also a small bounded, time-forgetting map
-(``RecentMap``) that policies use for per-trajectory state. Does not know token
+steps count less than the current one. Does not know token
 contents, replicas, the clock (every time is ``now``), nor the end of an episode
 for certain: a trajectory counts as finished when ``finish`` is called, or when it
 has been idle (no request in flight) for ``finish_idle_s``; if it comes back it is
@@ -45,70 +44,10 @@ numbers, read as floats. A call that raises leaves the estimator unchanged.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Generic, NamedTuple, TypeVar
+from typing import NamedTuple
 
 from war.router.policies._progress import ProgressEstimator as _NativeEstimator
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class RecentMap(Generic[K, V]):
-    """A map that forgets entries not put for ``ttl_s`` and keeps at most
-    ``max_items`` (the least recently put go first). ``get`` does not refresh an
-    entry; ``put`` does. Times are the callers' ``now``."""
-
-    def __init__(self, max_items: int, ttl_s: float) -> None:
-        if max_items < 1:
-            raise ValueError(f"max_items must be >= 1, got {max_items}")
-        if not ttl_s > 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        self.max_items = max_items
-        self.ttl_s = ttl_s
-        self._items: OrderedDict[K, tuple[V, float]] = OrderedDict()
-
-    def get(self, key: K, now: float) -> V | None:
-        item = self._items.get(key)
-        if item is None:
-            return None
-        if item[1] + self.ttl_s < now:
-            del self._items[key]
-            return None
-        return item[0]
-
-    def put(self, key: K, value: V, now: float) -> None:
-        self._items[key] = (value, now)
-        self._items.move_to_end(key)
-        while len(self._items) > self.max_items:
-            self._items.popitem(last=False)
-
-    def pop(self, key: K) -> V | None:
-        item = self._items.pop(key, None)
-        return None if item is None else item[0]
-
-    def expire(self, now: float) -> int:
-        """Forgets entries older than ``ttl_s``; returns how many."""
-        n = 0
-        items, ttl = self._items, self.ttl_s
-        while items:
-            if next(iter(items.values()))[1] + ttl >= now:  # (the oldest: a value peek)
-                break
-            del items[next(iter(items))]
-            n += 1
-        return n
-
-    def items(self) -> Iterator[tuple[K, V]]:
-        """(key, value) pairs, least recently put first."""
-        return ((k, v) for k, (v, _) in self._items.items())
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._items
 
 
 @dataclass(frozen=True)

@@ -201,8 +201,9 @@ class WarPolicy:
         self._ends = PendingEnds()  # request -> where its prompt's path ends
         self.progress = ProgressEstimator(self.config.progress)
         self.stats = WarPolicyStats()
-        # trajectory -> placement, least recently put first (a ``RecentMap`` whose
-        # values are updated in place: one lookup and no allocation per turn)
+        # trajectory -> placement, least recently put first; forgotten after
+        # ``trajectory_ttl_s`` unput and beyond ``max_trajectories`` (values updated in
+        # place: one lookup and no allocation per turn)
         self._placements: OrderedDict[str, _Placement] = OrderedDict()
         # committed work: trajectory -> (replica, expected remaining tokens, last seen)
         # trajectory -> (replica, expected work, last seen, group)
