@@ -20,6 +20,7 @@ from war.router.bench import (
     build_load,
     build_sessions,
     instant_replica_app,
+    paired_ratio,
     percentile,
     run_policies,
     run_router_rps,
@@ -29,7 +30,7 @@ from war.router.bench import (
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "router" / "bench_router.py"
 RPS_KEYS = {"router", "policy", "rps", "affinity", "p50_ms", "p99_ms", "added_p50_ms",
-            "added_p99_ms", "errors", "api"}
+            "added_p99_ms", "errors", "api", "vs_sglang_router"}
 POLICY_KEYS = {"policy", "prefix_hit_rate", "makespan_s", "migrations"}
 UNPACED = {"step_ms": 0.0, "prefill_us": 0.0, "decode_us": 0.0}
 
@@ -92,11 +93,24 @@ def test_router_rps_rows() -> None:
         ("war", "round_robin", "sglang"), ("direct", None, "sglang")]
     for r in rows:
         assert set(r) >= RPS_KEYS and r["errors"] == 0 and r["rps"] > 0
+        assert r["vs_sglang_router"] is None  # (no sglang-router in this run)
     assert rows[0]["added_p50_ms"] == 0.0 and rows[3]["added_p50_ms"] == 0.0
     one = run_router_rps(dataclasses.replace(config, apis=("war",)))["router_rps"]
     assert [(r["router"], r["api"]) for r in one] == [("direct", "war"), ("war", "war")]
     with pytest.raises(ValueError, match="apis"):
         dataclasses.replace(config, apis=("grpc",))
+
+
+def test_paired_ratio_is_the_median_of_side_by_side_ratios() -> None:
+    # repeats 0-2: the machine slows down in repeat 1 for both; a ratio of medians
+    # (200 / 100 = 2.0) would differ from the paired one (median of 1.0, 1.0, 4.0)
+    assert paired_ratio([100.0, 50.0, 400.0], [100.0, 50.0, 100.0]) == 1.0
+    assert paired_ratio([100.0, 300.0], [100.0]) == 1.0  # only the repeats both have
+    assert paired_ratio([100.0], [0.0]) is None and paired_ratio([], []) is None
+    row = {"router": "war", "policy": "war", "api": "sglang", "affinity": 0.5, "rps": 900.0,
+           "added_p50_ms": 1.0, "vs_sglang_router": 0.9}
+    line = summary_line({"router_rps": [row]})
+    assert "war/war[/generate] 900/s +1.0ms 0.90x" in line
 
 
 def test_sessions_and_policy_rows() -> None:

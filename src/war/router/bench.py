@@ -102,6 +102,14 @@ def percentile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def paired_ratio(values: Sequence[float], bases: Sequence[float]) -> float | None:
+    """The median of ``values[i] / bases[i]`` over the repeats both have (each pair
+    measured side by side, in one repeat): steadier than a ratio of medians on a shared
+    machine, whose speed drifts between repeats. ``None`` when no pair has a base > 0."""
+    ratios = [v / b for v, b in zip(values, bases, strict=False) if b > 0]
+    return _median(ratios) if ratios else None
+
+
 def _median(values: Sequence[float]) -> float:
     finite = [v for v in values if not math.isnan(v)]
     return statistics.median(finite) if finite else math.nan
@@ -492,7 +500,8 @@ def run_router_rps(config: RpsBenchConfig, log: Log = _quiet) -> dict[str, Any]:
     ``{"router_rps": rows, "sglang_router": status}``; each row has ``router``,
     ``policy``, ``affinity``, ``rps``, ``p50_ms``, ``p99_ms`` (medians over repeats),
     ``added_p50_ms`` / ``added_p99_ms`` (over direct calls, per repeat, median),
-    ``errors`` (summed) and ``api``."""
+    ``vs_sglang_router`` (requests/s over sglang-router's in the same repeat, median;
+    ``None`` without sglang-router), ``errors`` (summed) and ``api``."""
     sglang = sglang_router_status() if config.sglang else {
         "available": False, "version": None, "reason": "disabled (--no-sglang)"}
     ports = [free_port() for _ in range(config.num_replicas)]
@@ -556,9 +565,11 @@ def run_router_rps(config: RpsBenchConfig, log: Log = _quiet) -> dict[str, Any]:
         for s in reversed(items):
             s.stop()
     rows = []
+    peer = next((i for i, t in enumerate(targets) if t.router == "sglang-router"), None)
     for affinity in config.affinities:
         direct = {api: figures.get((i, affinity), []) for i, t in enumerate(targets)
                   if t.router == "direct" for api in [t.api]}
+        peer_rps = [r.rps for r in figures.get((peer, affinity), [])] if peer is not None else []
         for t_i, t in enumerate(targets):
             runs = figures.get((t_i, affinity), [])
             base = direct.get(t.api, [])
@@ -570,6 +581,7 @@ def run_router_rps(config: RpsBenchConfig, log: Log = _quiet) -> dict[str, Any]:
                 "p50_ms": _median([r.p50_ms for r in runs]),
                 "p99_ms": _median([r.p99_ms for r in runs]),
                 "added_p50_ms": _median(added50), "added_p99_ms": _median(added99),
+                "vs_sglang_router": paired_ratio([r.rps for r in runs], peer_rps),
                 "errors": sum(r.errors for r in runs), "repeats": len(runs),
             })
     return {"router_rps": rows, "sglang_router": sglang}
@@ -913,6 +925,8 @@ def summary_line(report: dict[str, Any]) -> str:
             if r["router"] == "war" and r["api"] == "sglang":
                 name += "[/generate]"
             extra = "" if r["router"] == "direct" else f" +{r['added_p50_ms']:.1f}ms"
+            if r["router"] == "war" and r.get("vs_sglang_router") is not None:
+                extra += f" {r['vs_sglang_router']:.2f}x"
             cells.append(f"{name} {r['rps']:.0f}/s{extra}")
         parts.append(f"rps@affinity {top:g}: " + ", ".join(cells))
     pol = report.get("policies", [])
