@@ -124,7 +124,11 @@ class Router:
         self.config = config if config is not None else RouterConfig()
         self._clock = clock
         self.stats = RouterStats(per_replica=dict.fromkeys(self.replicas, 0))
-        self._contexts: OrderedDict[str, list[int]] = OrderedDict()
+        # trajectory -> its last turn's whole prompt and output (the context a next turn
+        # extends; kept as the request's and result's own tuples, joined only when a
+        # continuing turn needs it whole)
+        self._contexts: OrderedDict[str, tuple[tuple[int, ...], tuple[int, ...]]] = (
+            OrderedDict())
         # trajectory -> the replica that served its last turn (it may hold its KV)
         self._homes: OrderedDict[str, str] = OrderedDict()
         self._health_task: asyncio.Task[None] | None = None
@@ -210,7 +214,7 @@ class Router:
                                   send.trajectory_id, send.group_id, decision.priority,
                                   send.continues)
             if (send.continues and (name in tried or decision.migrated)) and full is not None:
-                send = dataclasses.replace(send, prompt_ids=tuple(full), continues=False)
+                send = dataclasses.replace(send, prompt_ids=full, continues=False)
             rep = self.replicas[name]
             size = len(full if full is not None else send.prompt_ids) + send.sampling.max_tokens
             rep.num_requests += 1
@@ -251,7 +255,7 @@ class Router:
             return result, name
 
     def _book(self, request: GenRequest, result: GenResult, name: str,
-              full: list[int] | None) -> None:
+              full: tuple[int, ...] | None) -> None:
         """What the router keeps of a completed request: the policy's feedback, the
         trajectory's context and home, and the response as shared history."""
         self.policy.on_complete(request, result, name, self._clock())
@@ -298,27 +302,28 @@ class Router:
         except Exception as exc:  # an optimization: the hold expires anyway
             log.debug("finishing %s on %s failed: %r", trajectory_id, name, exc)
 
-    async def _send(self, rep: _Replica, request: GenRequest, full: list[int] | None) -> GenResult:
+    async def _send(self, rep: _Replica, request: GenRequest,
+                    full: tuple[int, ...] | None) -> GenResult:
         try:
             return await rep.backend.generate(request)
         except UnknownTrajectory:
             if full is None:
                 raise
             self.stats.resent_contexts += 1
-            whole = dataclasses.replace(request, prompt_ids=tuple(full), continues=False)
+            whole = dataclasses.replace(request, prompt_ids=full, continues=False)
             return await rep.backend.generate(whole)
 
-    def _full_prompt(self, request: GenRequest) -> list[int] | None:
+    def _full_prompt(self, request: GenRequest) -> tuple[int, ...] | None:
         """The request's whole context: its prompt, or for a continuing turn the
         trajectory's held context plus the new tokens (None if not held)."""
         if not request.continues:
-            return list(request.prompt_ids)
+            return request.prompt_ids
         held = self._contexts.get(request.trajectory_id or "")
         if held is None:
             return None
-        return held + list(request.prompt_ids)
+        return (*held[0], *held[1], *request.prompt_ids)
 
-    def _remember(self, request: GenRequest, full: list[int] | None,
+    def _remember(self, request: GenRequest, full: tuple[int, ...] | None,
                   result: GenResult) -> None:
         tid = request.trajectory_id
         if tid is None:
@@ -326,7 +331,7 @@ class Router:
         if full is None:
             self._contexts.pop(tid, None)
             return
-        self._put_recent(self._contexts, tid, full + list(result.output_ids))
+        self._put_recent(self._contexts, tid, (full, result.output_ids))
 
     def _put_recent(self, table: OrderedDict[str, Any], tid: str, value: Any) -> None:
         """Sets a trajectory's entry as the most recent one, keeping at most
