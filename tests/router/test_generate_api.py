@@ -103,6 +103,34 @@ def test_what_the_router_cannot_honour_is_400(body: dict[str, Any], param: str) 
     assert ok.status_code == 200, ok.text
 
 
+def test_sampling_params_are_checked_once_but_never_confused() -> None:
+    """A checked ``sampling_params`` object is reused for the same object again, never
+    for one that is equal but of other types (``1`` / ``True`` / ``1.0`` hash alike)."""
+    client, _, a, _ = make()
+
+    def post(params: dict[str, Any]) -> httpx.Response:
+        return client.post("/generate", json={"input_ids": [1], "sampling_params": params})
+
+    assert post({"max_new_tokens": 1, "stop_token_ids": [1]}).status_code == 200
+    assert post({"max_new_tokens": 1, "stop_token_ids": [1]}).status_code == 200
+    for params, param in [({"max_new_tokens": True, "stop_token_ids": [1]}, "max_new_tokens"),
+                          ({"max_new_tokens": 1.0, "stop_token_ids": [1]}, "max_new_tokens"),
+                          ({"max_new_tokens": 1, "stop_token_ids": [True]}, "stop_token_ids"),
+                          ({"max_new_tokens": 1, "ignore_eos": 1}, "ignore_eos")]:
+        r = post(params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (params, r.text)
+    assert post({"max_new_tokens": 1, "ignore_eos": True}).status_code == 200
+    assert post({"max_new_tokens": 1, "temperature": 0}).status_code == 200
+    assert post({"max_new_tokens": 1, "temperature": 0.0}).status_code == 200
+    assert post({"max_new_tokens": 1, "stop": ["x", "y"]}).status_code == 200
+    sent = [req.sampling for req in a.seen]
+    assert [s.max_tokens for s in sent] == [1] * 6
+    assert sent[0] is sent[1]  # checked once: the same settings object
+    assert sent[0].stop_token_ids[0] == 1 and sent[0].stop == ()
+    assert sent[3].temperature == sent[4].temperature == 0.0
+    assert sent[5].stop == ("x", "y")
+
+
 def test_not_json_refusals_and_auth() -> None:
     client, _, a, _ = make(api_key=KEY)
     auth = {"Authorization": f"Bearer {KEY}"}

@@ -319,9 +319,52 @@ def _check_fields(data: Mapping[str, Any], known: frozenset[str],
                            f"(only {', '.join(repr(a) for a in allowed)})", param=key)
 
 
+_GENERATE_SAMPLINGS: dict[tuple[Any, ...], SamplingParams] = {}
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _sampling_params_key(params: Any) -> tuple[Any, ...] | None:
+    """A key for an SGLang ``sampling_params`` object whose values are scalars or lists
+    of ints or strings (each with its type: ``1``, ``1.0`` and ``True`` are equal and
+    hash alike, but are not accepted alike); ``None`` for anything else."""
+    if params is None:
+        return ()
+    if type(params) is not dict:
+        return None
+    key: list[Any] = []
+    for name, value in params.items():
+        kind = type(value)
+        if kind is list:
+            if not all(type(x) is int or type(x) is str for x in value):
+                return None
+            key.append((name, tuple((type(x), x) for x in value)))
+        elif kind in _SCALARS:
+            key.append((name, kind, value))
+        else:
+            return None
+    return tuple(key)
+
+
 def _generate_sampling(params: Any, eos_token_ids: Sequence[int],
                        logprobs: bool) -> SamplingParams:
-    """WAR's ``SamplingParams`` of one SGLang ``sampling_params`` object."""
+    """WAR's ``SamplingParams`` of one SGLang ``sampling_params`` object: checked once
+    per distinct object (a run's requests mostly repeat one), then shared."""
+    key = _sampling_params_key(params)
+    if key is None:
+        return _check_generate_sampling(params, eos_token_ids, logprobs)
+    full = (key, tuple(eos_token_ids), logprobs)
+    sampling = _GENERATE_SAMPLINGS.get(full)
+    if sampling is None:
+        sampling = _check_generate_sampling(params, eos_token_ids, logprobs)
+        if len(_GENERATE_SAMPLINGS) >= _SAMPLING_CACHE_SIZE:
+            _GENERATE_SAMPLINGS.clear()
+        _GENERATE_SAMPLINGS[full] = sampling
+    return sampling
+
+
+def _check_generate_sampling(params: Any, eos_token_ids: Sequence[int],
+                             logprobs: bool) -> SamplingParams:
+    """``_generate_sampling`` without the cache: checks every field (``APIError``)."""
     if params is None:
         params = {}
     if not isinstance(params, dict):
