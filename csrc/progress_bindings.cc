@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "progress.h"
+#include "py_args.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -30,93 +31,12 @@ namespace wg = war::progress;
 
 namespace {
 
-[[noreturn]] void raise_type(const char* what, const char* expected, PyObject* got) {
-  PyErr_Format(PyExc_TypeError, "%s must be %s, got %s", what, expected, Py_TYPE(got)->tp_name);
-  throw nb::python_error();
-}
-
-// The UTF-8 bytes of a str argument and their key, valid for the call.
-class Text {
- public:
-  Text(PyObject* o, const char* what) {
-    if (!PyUnicode_Check(o)) raise_type(what, "a str", o);
-    Py_ssize_t n = 0;
-    const char* p = PyUnicode_AsUTF8AndSize(o, &n);
-    if (p == nullptr) {  // lone surrogates
-      if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) throw nb::python_error();
-      PyErr_Clear();
-      PyObject* b = PyUnicode_AsEncodedString(o, "utf-8", "surrogatepass");
-      if (b == nullptr) throw nb::python_error();
-      buf_.assign(PyBytes_AS_STRING(b), static_cast<size_t>(PyBytes_GET_SIZE(b)));
-      Py_DECREF(b);
-      p = buf_.data();
-      n = static_cast<Py_ssize_t>(buf_.size());
-    }
-    key = wg::key_of(std::string_view(p, static_cast<size_t>(n)));
-  }
-  Text(const Text&) = delete;
-  Text& operator=(const Text&) = delete;
-
-  wg::Key key;
-
- private:
-  std::string buf_;
-};
-
-// A str or None argument (a group id; add_sample's trajectory id).
-class OptText {
- public:
-  OptText(PyObject* o, const char* what) {
-    if (o != Py_None) text_.emplace(o, what);
-  }
-  const wg::Key* get() const { return text_ ? &text_->key : nullptr; }
-
- private:
-  std::optional<Text> text_;
-};
-
-nb::object str_of(std::string_view bytes) {
-  PyObject* s = PyUnicode_DecodeUTF8(bytes.data(), static_cast<Py_ssize_t>(bytes.size()),
-                                     "surrogatepass");
-  if (s == nullptr) throw nb::python_error();
-  return nb::steal(s);
-}
-
-double number_of(PyObject* o, const char* what) {
-  if (PyFloat_CheckExact(o)) return PyFloat_AS_DOUBLE(o);
-  const double v = PyFloat_AsDouble(o);
-  if (v == -1.0 && PyErr_Occurred()) {
-    if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw nb::python_error();
-    PyErr_Clear();
-    raise_type(what, "a number", o);
-  }
-  return v;
-}
-
-// An int argument (or anything Python accepts as an index) within int64.
-int64_t int_of(PyObject* o, const char* what) {
-  PyObject* idx;
-  if (PyLong_Check(o)) {
-    idx = o;
-    Py_INCREF(idx);
-  } else {
-    idx = PyNumber_Index(o);
-    if (idx == nullptr) {
-      if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw nb::python_error();
-      PyErr_Clear();
-      raise_type(what, "an int", o);
-    }
-  }
-  int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(idx, &overflow);
-  Py_DECREF(idx);
-  if (overflow != 0) {
-    PyErr_Format(PyExc_OverflowError, "%s does not fit in int64", what);
-    throw nb::python_error();
-  }
-  if (v == -1 && PyErr_Occurred()) throw nb::python_error();
-  return static_cast<int64_t>(v);
-}
+using war::pyargs::float_of;
+using war::pyargs::int_of;
+using war::pyargs::OptText;
+using war::pyargs::raise_type;
+using war::pyargs::str_of;
+using war::pyargs::Text;
 
 nb::object float_or_none(const std::optional<double>& v) {
   if (!v) return nb::none();
@@ -126,7 +46,7 @@ nb::object float_or_none(const std::optional<double>& v) {
 wg::Config config_of(nb::handle config) {
   auto number = [&](const char* name) {
     nb::object v = nb::getattr(config, name);
-    return number_of(v.ptr(), name);
+    return float_of(v.ptr(), name);
   };
   auto integer = [&](const char* name) {
     nb::object v = nb::getattr(config, name);
@@ -157,7 +77,7 @@ class Estimator {
   nb::object begin(nb::handle tid, nb::handle group, nb::handle now) {
     const Text t(tid.ptr(), "trajectory_id");
     const OptText g(group.ptr(), "group_id");
-    const double when = number_of(now.ptr(), "now");
+    const double when = float_of(now.ptr(), "now");
     return float_or_none(est_.begin(t.key, g.get(), when));
   }
 
@@ -165,7 +85,7 @@ class Estimator {
     const Text t(tid.ptr(), "trajectory_id");
     const OptText g(group.ptr(), "group_id");
     const int64_t n = int_of(generated.ptr(), "generated_tokens");
-    const double when = number_of(now.ptr(), "now");
+    const double when = float_of(now.ptr(), "now");
     if (n < 0) {
       PyErr_Format(PyExc_ValueError, "trajectory %S: generated_tokens < 0", tid.ptr());
       throw nb::python_error();
@@ -175,12 +95,12 @@ class Estimator {
 
   void abort(nb::handle tid, nb::handle now) {
     const Text t(tid.ptr(), "trajectory_id");
-    est_.abort(t.key, number_of(now.ptr(), "now"));
+    est_.abort(t.key, float_of(now.ptr(), "now"));
   }
 
   void finish(nb::handle tid, nb::handle now) {
     const Text t(tid.ptr(), "trajectory_id");
-    est_.finish(t.key, number_of(now.ptr(), "now"));
+    est_.finish(t.key, float_of(now.ptr(), "now"));
   }
 
   void add_sample(nb::handle group, nb::handle turns, nb::handle tokens, nb::handle now,
@@ -193,7 +113,7 @@ class Estimator {
       throw nb::python_error();
     }
     const OptText g(group.ptr(), "group_id");
-    const double when = number_of(now.ptr(), "now");
+    const double when = float_of(now.ptr(), "now");
     const OptText t(tid.ptr(), "trajectory_id");
     est_.add_sample(g.get(), k, n, when, t.get());
   }
@@ -242,7 +162,7 @@ class Estimator {
 
   size_t num_tracked() const { return est_.num_tracked(); }
 
-  void expire(nb::handle now) { est_.expire(number_of(now.ptr(), "now")); }
+  void expire(nb::handle now) { est_.expire(float_of(now.ptr(), "now")); }
 
   nb::list group_ids() const {
     std::vector<std::string> ids;

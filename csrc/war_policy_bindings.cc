@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "py_args.h"
 #include "war_policy.h"
 
 namespace nb = nanobind;
@@ -38,89 +39,14 @@ namespace wp = war::policy;
 
 namespace {
 
+using war::pyargs::float_of;
+using war::pyargs::int_of;
+using war::pyargs::OptText;
+using war::pyargs::raise_type;
+using war::pyargs::Text;
+using war::pyargs::utf8_of;
+
 constexpr size_t kPendingEnds = 65536;  // as PendingEnds' capacity
-
-[[noreturn]] void raise_type(const char* what, const char* expected, PyObject* got) {
-  PyErr_Format(PyExc_TypeError, "%s must be %s, got %s", what, expected, Py_TYPE(got)->tp_name);
-  throw nb::python_error();
-}
-
-// The UTF-8 bytes of a str (lone surrogates as 'surrogatepass' bytes, so that two
-// different str are different keys); `buf` holds them when the str cannot.
-std::string_view utf8_of(PyObject* o, const char* what, std::string* buf) {
-  if (!PyUnicode_Check(o)) raise_type(what, "a str", o);
-  Py_ssize_t n = 0;
-  const char* p = PyUnicode_AsUTF8AndSize(o, &n);
-  if (p != nullptr) return std::string_view(p, static_cast<size_t>(n));
-  if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) throw nb::python_error();
-  PyErr_Clear();
-  PyObject* b = PyUnicode_AsEncodedString(o, "utf-8", "surrogatepass");
-  if (b == nullptr) throw nb::python_error();
-  buf->assign(PyBytes_AS_STRING(b), static_cast<size_t>(PyBytes_GET_SIZE(b)));
-  Py_DECREF(b);
-  return *buf;
-}
-
-// A str argument's key, valid for the call.
-class Text {
- public:
-  Text(PyObject* o, const char* what) : key(wp::key_of(utf8_of(o, what, &buf_))) {}
-  Text(const Text&) = delete;
-  Text& operator=(const Text&) = delete;
-
- private:
-  std::string buf_;  // (before `key`, which is made from it)
-
- public:
-  wp::Key key;
-};
-
-// A str or None argument.
-class OptText {
- public:
-  OptText(PyObject* o, const char* what) {
-    if (o != Py_None) text_.emplace(o, what);
-  }
-  const wp::Key* get() const { return text_ ? &text_->key : nullptr; }
-
- private:
-  std::optional<Text> text_;
-};
-
-int64_t int_of(PyObject* o, const char* what) {
-  PyObject* idx;
-  if (PyLong_Check(o)) {
-    idx = o;
-    Py_INCREF(idx);
-  } else {
-    idx = PyNumber_Index(o);
-    if (idx == nullptr) {
-      if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw nb::python_error();
-      PyErr_Clear();
-      raise_type(what, "an int", o);
-    }
-  }
-  int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(idx, &overflow);
-  Py_DECREF(idx);
-  if (overflow != 0) {
-    PyErr_Format(PyExc_OverflowError, "%s does not fit in int64", what);
-    throw nb::python_error();
-  }
-  if (v == -1 && PyErr_Occurred()) throw nb::python_error();
-  return static_cast<int64_t>(v);
-}
-
-double float_of(PyObject* o, const char* what) {
-  if (PyFloat_CheckExact(o)) return PyFloat_AS_DOUBLE(o);
-  const double v = PyFloat_AsDouble(o);
-  if (v == -1.0 && PyErr_Occurred()) {
-    if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw nb::python_error();
-    PyErr_Clear();
-    raise_type(what, "a number", o);
-  }
-  return v;
-}
 
 double time_of(PyObject* o) {
   const double v = float_of(o, "now");
