@@ -711,6 +711,39 @@ def test_server_that_never_answers_times_out_and_the_connection_is_dropped(arun:
         assert server.accepted == 2
 
 
+def test_calls_with_different_timeouts_each_time_out_at_their_own(arun: Run) -> None:
+    # One watch serves every call of a pool: a shorter deadline that comes later must
+    # still fire first, a longer one after it, and calls that answered leave nothing.
+    with RawServer(per_connection(then=hang)) as server:
+        async def go() -> None:
+            pool = Pool(LOCAL, server.port)
+            t0 = time.monotonic()
+            long = asyncio.create_task(get(pool, "/long", timeout_s=T_SHORT * 3))
+            await asyncio.sleep(0.02)
+            with pytest.raises(TimeoutError):
+                await get(pool, "/short", timeout_s=T_SHORT)
+            short_s = time.monotonic() - t0
+            assert T_SHORT * 0.9 <= short_s < T_SHORT + 0.25
+            assert not long.done()
+            with pytest.raises(TimeoutError):
+                await long
+            assert T_SHORT * 3 * 0.9 <= time.monotonic() - t0 < T_SHORT * 3 + 0.5
+            assert not pool._deadlines
+            pool.close()
+
+        arun(go())
+    with RawServer(keepalive()) as server:
+        async def many() -> None:
+            pool = Pool(LOCAL, server.port)
+            for i in range(50):
+                assert body_of(await get(pool, f"/{i}", timeout_s=T_CALL + i))["conn"] == 0
+            assert not pool._deadlines
+            pool.close()
+            assert pool._watch is None  # nothing in flight: the watch went with the pool
+
+        arun(many())
+
+
 def test_waiting_for_a_connection_counts_in_the_timeout(arun: Run) -> None:
     gate = threading.Event()
     with RawServer(gated(gate)) as server:

@@ -18,6 +18,7 @@ rollout driver's and the router's CPU time: per call it costs about a third of a
 from __future__ import annotations
 
 import asyncio
+import math
 import ssl as _ssl
 import time
 from collections import deque
@@ -163,11 +164,6 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
 
-def _time_out(waiter: asyncio.Future[Response]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError("no answer in time"))
-
-
 class Pool:
     """Keep-alive connections to one origin; ``request`` sends one call.
 
@@ -190,6 +186,12 @@ class Pool:
         self._slots = asyncio.Semaphore(max_connections)
         self._closed = False
         self._heads: dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes] = {}
+        # Calls in flight (their answers' futures) and their deadlines, watched by one
+        # timer at the earliest deadline: a timer per call cost more than the rest of
+        # the call's bookkeeping.
+        self._deadlines: dict[asyncio.Future[Response], float] = {}
+        self._watch: asyncio.TimerHandle | None = None
+        self._watch_at = math.inf
 
     async def request(self, method: str, target: str, *, body: bytes | None = None,
                       headers: tuple[tuple[str, str], ...] = (), timeout_s: float,
@@ -222,17 +224,20 @@ class Pool:
             self._slots.release()
 
     async def _exchange(self, conn: _Connection, data: bytes, deadline: float) -> Response:
-        # One timer per call that fails the answer's future at the deadline: cheaper than
-        # an ``asyncio.timeout`` scope (which cancels the task and uncancels it after).
+        # The watch fails the answer's future at the deadline: cheaper than an
+        # ``asyncio.timeout`` scope (which cancels the task and uncancels it after).
         waiter = conn.send(data)
-        timer = asyncio.get_running_loop().call_at(deadline, _time_out, waiter)
+        deadlines = self._deadlines
+        deadlines[waiter] = deadline
+        if deadline < self._watch_at:
+            self._arm_watch(deadline)
         try:
             response = await waiter
         except BaseException:
             conn.abort()  # cancelled, timed out or failed mid-call: its state is unknown
             raise
         finally:
-            timer.cancel()
+            del deadlines[waiter]
         if self._closed:
             conn.close()  # the pool was closed during the call
         elif not conn.closed:
@@ -240,6 +245,27 @@ class Pool:
             conn.reused = True
             self._idle.append(conn)
         return response
+
+    def _arm_watch(self, when: float) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        self._watch = asyncio.get_running_loop().call_at(when, self._on_watch)
+        self._watch_at = when
+
+    def _on_watch(self) -> None:
+        """Fails the calls whose deadline has come; watches for the next deadline."""
+        self._watch, self._watch_at = None, math.inf
+        # (a timer may fire a hair before its time by the loop's clock)
+        now = asyncio.get_running_loop().time() + 1e-3
+        after = math.inf
+        for waiter, deadline in list(self._deadlines.items()):
+            if deadline <= now:
+                if not waiter.done():
+                    waiter.set_exception(TimeoutError("no answer in time"))
+            elif deadline < after:
+                after = deadline
+        if after < math.inf:
+            self._arm_watch(after)
 
     def _take_idle(self) -> _Connection | None:
         now = time.monotonic()
@@ -285,6 +311,9 @@ class Pool:
         self._closed = True
         while self._idle:
             self._idle.pop().close()
+        if self._watch is not None and not self._deadlines:
+            self._watch.cancel()
+            self._watch, self._watch_at = None, math.inf
 
 
 __all__ = ["ConnectionClosed", "Pool", "Response", "TransportError"]

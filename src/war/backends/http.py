@@ -81,7 +81,7 @@ class WarHttpBackend:
             "top_k": sp.top_k if sp.top_k > 0 else -1,
             # The request's stop ids are the whole set: the replica adds no EOS of its own.
             "ignore_eos": True,
-            "stop_token_ids": list(sp.stop_token_ids),
+            "stop_token_ids": sp.stop_token_ids,
             "request_id": request.request_id,
             "priority": float(request.priority),
             "continues": request.continues,

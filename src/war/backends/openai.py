@@ -173,7 +173,7 @@ def parse_vllm_completion(request: GenRequest, data: Mapping[str, Any],
     lp = choice.get("logprobs")
     raw_ids = choice.get("token_ids")
     if raw_ids is not None:
-        output = tuple(int(t) for t in raw_ids)
+        output = tuple(map(int, raw_ids))
     elif lp is not None and lp.get("tokens") is not None:
         output = _token_ids_from_strings(lp["tokens"])
     else:
@@ -210,7 +210,7 @@ def parse_sglang_generate(request: GenRequest, data: Any, total_s: float = 0.0) 
     triples = meta.get("output_token_logprobs")
     raw_ids = data.get("output_ids")
     if raw_ids is not None:
-        output = tuple(int(t) for t in raw_ids)
+        output = tuple(map(int, raw_ids))
     elif triples is not None:
         output = tuple(int(t[1]) for t in triples)
     else:
@@ -297,7 +297,7 @@ class OpenAICompatBackend:
     def vllm_body(self, request: GenRequest) -> dict[str, Any]:
         """The vLLM ``/v1/completions`` body of ``request``."""
         sp = request.sampling
-        prompt: list[int] | str = list(request.prompt_ids)
+        prompt: Sequence[int] | str = request.prompt_ids  # (orjson writes a tuple as an array)
         if self.text_prompt is not None:
             prompt = self.text_prompt(request.prompt_ids)
         body: dict[str, Any] = {
@@ -306,7 +306,7 @@ class OpenAICompatBackend:
             "temperature": float(sp.temperature),
             "top_p": float(sp.top_p),
             "top_k": sp.top_k if sp.top_k > 0 else -1,
-            "stop_token_ids": list(sp.stop_token_ids),
+            "stop_token_ids": sp.stop_token_ids,
             "ignore_eos": True,
             "skip_special_tokens": False,
             "logprobs": 1,
@@ -331,7 +331,7 @@ class OpenAICompatBackend:
             "temperature": float(sp.temperature),
             "top_p": float(sp.top_p),
             "top_k": sp.top_k if sp.top_k > 0 else -1,
-            "stop_token_ids": list(sp.stop_token_ids),
+            "stop_token_ids": sp.stop_token_ids,
             "ignore_eos": True,
             "skip_special_tokens": False,
         }
@@ -340,7 +340,7 @@ class OpenAICompatBackend:
         if sp.seed is not None:
             params["sampling_seed"] = sp.seed
         body: dict[str, Any] = {
-            "input_ids": list(request.prompt_ids),
+            "input_ids": request.prompt_ids,
             "sampling_params": params,
             "return_logprob": True,
             "rid": request.request_id,

@@ -108,7 +108,9 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[_Request] = deque()
-        self.task: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[None] | None = None  # answers the queue, one at a time
+        self.busy = False  # a request is being answered
+        self._wake: asyncio.Future[None] | None = None  # the task waits for a request
         self.closed = False
         self.closing = False  # answer what is being answered, then close
         self.paused = False
@@ -144,13 +146,13 @@ class _Connection(asyncio.Protocol):
             # An upgrade (h2c, websocket) is not offered: answer what was parsed over
             # HTTP/1.1 and close; the parser cannot go on after an upgrade.
             self.closing = True
-            if not self.queue and self.task is None:
+            if not self.queue and not self.busy:
                 self._refuse(400, "protocol upgrades are not supported")
             return
         except httptools.HttpParserError as e:
             self._refuse(400, f"malformed HTTP request: {e}")
             return
-        if self.task is None and not self.queue and not self.closed:
+        if not self.busy and not self.queue and not self.closed:
             # nothing to answer yet: the rest of a request must keep coming (or, with
             # none begun, the connection is idle)
             self._arm_idle(self.edge.config.read_timeout_s if self._in_message else None)
@@ -220,7 +222,7 @@ class _Connection(asyncio.Protocol):
     # -- answering
 
     def _next(self) -> None:
-        if self.task is not None or self.closed:
+        if self.busy or self.closed:
             return
         if not self.queue:
             if self.closing:
@@ -232,24 +234,40 @@ class _Connection(asyncio.Protocol):
                 and self.transport is not None:
             self.transport.resume_reading()
             self.paused = False
-        request = self.queue.popleft()
-        self.task = self.loop.create_task(self._answer_then_next(request))
+        self.busy = True  # (the task takes the queue's head when it next runs)
+        wake = self._wake
+        if wake is not None:
+            self._wake = None
+            wake.set_result(None)
+        elif self.task is None:
+            self.task = self.loop.create_task(self._answer_queue())
 
-    async def _answer_then_next(self, request: _Request) -> None:
-        """Answers ``request``, then starts on the next one (the task's last step, which
-        saves a done-callback's turn of the loop per request)."""
+    async def _answer_queue(self) -> None:
+        """The connection's task: answers queued requests in order, then waits for the
+        next (one task per connection, not per request: a request on a kept-alive
+        connection wakes it instead of paying for a new task)."""
         try:
-            await self._answer(request)
-        except asyncio.CancelledError:  # the client hung up, or the server is stopping
+            while True:
+                if not self.busy:
+                    self._wake = self.loop.create_future()
+                    await self._wake
+                request = self.queue.popleft()
+                try:
+                    await self._answer(request)
+                except asyncio.CancelledError:  # the client hung up, or the server stops
+                    raise
+                except Exception:
+                    log.exception("answering a request failed")
+                    self._close()
+                    return
+                self.busy = False
+                self._next()
+                if self.closed:
+                    return
+        finally:
+            self.busy = False
             self.task = None
-            raise
-        except Exception:
-            log.exception("answering a request failed")
-            self.task = None
-            self._close()
-            return
-        self.task = None
-        self._next()
+            self._wake = None
 
     async def _answer(self, request: _Request) -> None:
         # the last answer on this connection says so (``connection: close``)
@@ -367,7 +385,7 @@ class _Connection(asyncio.Protocol):
         if self.closed or self._idle_since is None:
             return  # busy: re-armed when it goes idle again
         left = self._idle_since + self._idle_limit - self.loop.time()
-        if left <= 0 and self.task is None and not self.queue:
+        if left <= 0 and not self.busy and not self.queue:
             self._close()
         else:
             self._idle = self.loop.call_later(max(left, 0.01), self._idle_check)
@@ -389,7 +407,7 @@ class _Connection(asyncio.Protocol):
         self.queue.clear()
         if self.exchange is not None:  # an answer not yet started says it is the last
             self.exchange.keep_alive = False
-        if self.task is None:
+        if not self.busy:
             self._close()
 
 

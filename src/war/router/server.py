@@ -249,7 +249,7 @@ def build_response(rid: str, model: str, results: Sequence[GenResult],
         if want_logprobs:
             logprobs = {"tokens": [f"token_id:{t}" for t in r.output_ids],
                         "token_logprobs": [finite_logprob(x) for x in r.logprobs]}
-        choices.append({"index": i, "text": "", "token_ids": list(r.output_ids),
+        choices.append({"index": i, "text": "", "token_ids": r.output_ids,
                         "logprobs": logprobs, "finish_reason": r.finish_reason,
                         "replica": where})
     prompt_tokens = sum(r.num_prompt_tokens for r in results)
@@ -520,7 +520,7 @@ def build_generate_response(results: Sequence[GenResult], replicas: Sequence[str
             meta["output_token_logprobs"] = [[finite_logprob(x), t, None]
                                              for x, t in zip(r.logprobs, r.output_ids,
                                                              strict=False)]
-        out.append({"text": "", "output_ids": list(r.output_ids), "meta_info": meta})
+        out.append({"text": "", "output_ids": r.output_ids, "meta_info": meta})
     return out if batch else out[0]
 
 
