@@ -18,6 +18,7 @@ rollout driver's and the router's CPU time: per call it costs about a third of a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import ssl as _ssl
 import time
@@ -183,7 +184,10 @@ class Pool:
         default = 443 if tls is not None else 80
         self.authority = authority if port == default else f"{authority}:{port}"
         self._idle: deque[_Connection] = deque()
-        self._slots = asyncio.Semaphore(max_connections)
+        # connection slots: free ones, and the calls waiting for one in order (a counter
+        # and a queue: ``asyncio.Semaphore`` cost a few microseconds a call)
+        self._free = max_connections
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._closed = False
         self._heads: dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes] = {}
         # Calls in flight (their answers' futures) and their deadlines, watched by one
@@ -203,11 +207,10 @@ class Pool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         data = self._encode(method, target, body, headers)
-        if self._slots.locked():  # every connection is busy: wait for one, within the time
-            async with asyncio.timeout_at(deadline):
-                await self._slots.acquire()
-        else:
-            await self._slots.acquire()
+        if self._free > 0 and not self._slot_waiters:
+            self._free -= 1
+        else:  # every connection is busy: wait for one, within the time
+            await self._wait_for_slot(deadline)
         try:
             conn = self._take_idle()
             if conn is None:
@@ -221,7 +224,34 @@ class Pool:
             conn = await self._connect(connect_timeout_s, deadline)
             return await self._exchange(conn, data, deadline)
         finally:
-            self._slots.release()
+            self._release_slot()
+
+    async def _wait_for_slot(self, deadline: float) -> None:
+        """Takes a connection slot when one is released (first come, first served), or
+        raises ``TimeoutError`` at ``deadline``."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._slot_waiters.append(waiter)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self._release_slot()  # handed a slot, but gone before using it: pass it on
+            else:
+                waiter.cancel()
+                with contextlib.suppress(ValueError):
+                    self._slot_waiters.remove(waiter)
+            raise
+
+    def _release_slot(self) -> None:
+        """Hands a slot to the first call still waiting, else frees it."""
+        waiters = self._slot_waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._free += 1
 
     async def _exchange(self, conn: _Connection, data: bytes, deadline: float) -> Response:
         # The watch fails the answer's future at the deadline: cheaper than an
