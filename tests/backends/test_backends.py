@@ -426,7 +426,7 @@ def test_server_dying_mid_request_is_unavailable(behaviour: str) -> None:
 
 
 SLOW_REPLICA = """
-import asyncio, sys
+import asyncio, os, sys
 import uvicorn
 from fastapi import FastAPI
 
@@ -439,7 +439,7 @@ async def completions() -> dict:
 
 @app.get("/health")
 async def health() -> dict:
-    return {"status": "ok"}
+    return {"status": "ok", "pid": os.getpid()}
 
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 """
@@ -460,6 +460,10 @@ def test_replica_process_killed_mid_request_is_unavailable(tmp_path: Path) -> No
             assert proc.poll() is None, "the replica process exited"
             assert time.monotonic() < deadline, "the replica process did not come up"
             await asyncio.sleep(0.05)
+        # the port is ours: not another server that took it first (then our process
+        # failed to bind, and killing it would leave the call hanging on the other)
+        answer = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        assert answer.json()["pid"] == proc.pid
         task = asyncio.ensure_future(backend.generate(req("in-flight")))
         await asyncio.sleep(0.3)  # the request is being served
         assert not task.done()
