@@ -111,6 +111,16 @@ def test_paired_ratio_is_the_median_of_side_by_side_ratios() -> None:
            "added_p50_ms": 1.0, "vs_sglang_router": 0.9}
     line = summary_line({"router_rps": [row]})
     assert "war/war[/generate] 900/s +1.0ms 0.90x" in line
+    # the throughput target: the war policy over SGLang's API, at every affinity
+    others = [dict(row, affinity=0.0, vs_sglang_router=1.02),
+              dict(row, api="war", vs_sglang_router=0.5),  # WAR's API: not compared
+              dict(row, policy="cache_aware", vs_sglang_router=0.5),
+              dict(row, affinity=0.9, vs_sglang_router=None)]  # no sglang-router
+    got = targets({"router_rps": [row, *others]})
+    assert got == {"war_rps_vs_sglang_router": {"0.0": 1.02, "0.5": 0.9},
+                   "war_rps_ge_sglang_router": False}
+    row["vs_sglang_router"] = 1.0
+    assert targets({"router_rps": [row, *others]})["war_rps_ge_sglang_router"] is True
 
 
 def test_sessions_and_policy_rows() -> None:

@@ -217,6 +217,40 @@ def test_refusals_are_not_retried_and_unknown_contexts_go_back_to_the_client() -
     asyncio.run(cont())
 
 
+def test_held_contexts_are_bounded_in_tokens_least_recently_used_first() -> None:
+    # SP generates 3 tokens: a 10-token prompt leaves a 13-token context
+    r, reps, _ = router("a", "b", max_context_tokens=29)
+
+    async def main() -> None:
+        await r.generate(GenRequest("t1/0", tuple(range(10)), SP, trajectory_id="t1"))
+        await r.generate(GenRequest("t2/0", tuple(range(10)), SP, trajectory_id="t2"))
+        assert r.held_context_tokens == 26 and r.stats.contexts_dropped == 0
+        await r.generate(GenRequest("t1/1", (7,), SP, trajectory_id="t1", continues=True))
+        # t1 grew to 17 tokens and is the most recent: t2 (the least recent) goes
+        assert list(r._contexts) == ["t1"] and r.held_context_tokens == 17
+        assert r.stats.contexts_dropped == 1
+        # t2's next turn still goes to its replica, which holds its context...
+        home = reps[r._homes["t2"]]
+        ok = await r.generate(GenRequest("t2/1", (8,), SP, trajectory_id="t2", continues=True))
+        assert ok.num_prompt_tokens == 14 and home.requests[-1].continues
+        assert "t2" not in r._contexts  # (its whole context is not known here)
+        # ... and when that replica fails, its client is asked for the whole context
+        home.down = True
+        with pytest.raises(UnknownTrajectory):
+            await r.generate(GenRequest("t2/2", (9,), SP, trajectory_id="t2", continues=True))
+        home.down = False
+        # a context larger than the bound is not held at all; finishing frees at once
+        await r.generate(GenRequest("big", tuple(range(40)), SP, trajectory_id="big"))
+        assert "big" not in r._contexts and r.stats.contexts_dropped == 2
+        assert r.held_context_tokens == 17
+        assert r.finish_trajectory("t1") and r.held_context_tokens == 0
+        assert not r.finish_trajectory("t1")
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="max_context_tokens"):
+        RouterConfig(max_context_tokens=-1)
+
+
 def test_retry_budget_and_config_validation() -> None:
     r, reps, _ = router("a", "b", "c", max_attempts=2)
     for rep in reps.values():

@@ -44,6 +44,9 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Trajectory turns placed on another replica than the one holding the trajectory."),
     ("war_router_resent_contexts", "resent_contexts",
      "Continuing turns re-sent with the trajectory's whole context."),
+    ("war_router_contexts_dropped", "contexts_dropped",
+     "Held trajectory contexts dropped for the router's bounds (max_trajectories, "
+     "max_context_tokens)."),
     ("war_router_history_forwarded", "history_forwarded",
      "Completed responses forwarded to other replicas' speculators."),
     ("war_router_replicas_marked_down", "replicas_marked_down",
@@ -70,6 +73,9 @@ class RouterSource(Protocol):
     def stats(self) -> RouterStats: ...
 
     def fleet_load(self) -> Mapping[str, Mapping[str, object]]: ...
+
+    @property
+    def held_context_tokens(self) -> int: ...
 
 
 def _number(value: object) -> float:
@@ -102,6 +108,9 @@ class _RouterCollector(Collector):
         yield GaugeMetricFamily("war_router_replicas_healthy", "Replicas up.", value=healthy)
         yield GaugeMetricFamily("war_router_replicas", "Replicas known to the router.",
                                 value=len(fleet))
+        yield GaugeMetricFamily("war_router_held_context_tokens",
+                                "Tokens of the trajectory contexts the router holds.",
+                                value=self._source.held_context_tokens)
 
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,

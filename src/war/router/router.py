@@ -52,6 +52,14 @@ class RouterConfig:
       batch or as soon as ``history_batch`` wait (one request per batch, not per
       response); ``history_flush_s = 0`` sends each response at once.
     * ``max_trajectories``: trajectory contexts kept (least recently used dropped).
+    * ``max_context_tokens``: tokens of trajectory contexts kept, all together (least
+      recently used dropped past it): the router holds a context so that a turn that
+      sends only its new tokens can go whole to another replica when its own fails;
+      an agent's context runs to tens of thousands of tokens, so a count of
+      trajectories alone does not bound the memory (about 36 bytes a token). A turn
+      whose context was dropped still goes to its replica; only if that replica
+      fails does its client get ``UnknownTrajectory`` (409 over HTTP) and resend the
+      whole context. Finished trajectories (``finish_trajectory``) free theirs at once.
     """
 
     max_attempts: int = 4
@@ -61,6 +69,7 @@ class RouterConfig:
     history_batch: int = 64
     history_lead_in: int = 8
     max_trajectories: int = 100_000
+    max_context_tokens: int = 32_000_000
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -69,6 +78,8 @@ class RouterConfig:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if self.max_trajectories < 1:
             raise ValueError(f"max_trajectories must be >= 1, got {self.max_trajectories}")
+        if self.max_context_tokens < 0:
+            raise ValueError(f"max_context_tokens must be >= 0, got {self.max_context_tokens}")
         if not self.history_flush_s >= 0:
             raise ValueError(f"history_flush_s must be >= 0, got {self.history_flush_s}")
         if self.history_lead_in < 0:
@@ -96,6 +107,7 @@ class RouterStats:
     retries: int = 0
     migrations: int = 0
     resent_contexts: int = 0
+    contexts_dropped: int = 0  # held contexts dropped for the bounds (not finished ones)
     trajectories_released: int = 0  # ended trajectories reported to their replica
     replicas_marked_down: int = 0
     history_forwarded: int = 0
@@ -129,6 +141,7 @@ class Router:
         # continuing turn needs it whole)
         self._contexts: OrderedDict[str, tuple[tuple[int, ...], tuple[int, ...]]] = (
             OrderedDict())
+        self._context_tokens = 0  # tokens of every held context
         # trajectory -> the replica that served its last turn (it may hold its KV)
         self._homes: OrderedDict[str, str] = OrderedDict()
         self._health_task: asyncio.Task[None] | None = None
@@ -275,7 +288,7 @@ class Router:
         whether the router held anything of it."""
         if not isinstance(trajectory_id, str) or not trajectory_id:
             raise ValueError(f"trajectory_id must be a non-empty string, got {trajectory_id!r}")
-        held = self._contexts.pop(trajectory_id, None) is not None
+        held = self._drop_context(trajectory_id)
         finish = getattr(self.policy, "finish_trajectory", None)
         if callable(finish):
             finish(trajectory_id, self._clock())
@@ -325,13 +338,48 @@ class Router:
 
     def _remember(self, request: GenRequest, full: tuple[int, ...] | None,
                   result: GenResult) -> None:
+        """Holds the trajectory's context after this turn (``full``: its whole prompt;
+        None: not known, so nothing is held), as the most recently used, within
+        ``max_trajectories`` and ``max_context_tokens``."""
         tid = request.trajectory_id
         if tid is None:
             return
+        contexts = self._contexts
+        old = contexts.get(tid)
+        if old is not None:
+            self._context_tokens -= len(old[0]) + len(old[1])
         if full is None:
-            self._contexts.pop(tid, None)
+            if old is not None:
+                del contexts[tid]
             return
-        self._put_recent(self._contexts, tid, (full, result.output_ids))
+        cfg = self.config
+        size = len(full) + len(result.output_ids)
+        if size > cfg.max_context_tokens:  # larger than the bound alone: not held
+            if old is not None:
+                del contexts[tid]
+            self.stats.contexts_dropped += 1
+            return
+        contexts[tid] = (full, result.output_ids)
+        contexts.move_to_end(tid)
+        self._context_tokens += size
+        while len(contexts) > cfg.max_trajectories or (
+                self._context_tokens > cfg.max_context_tokens):
+            _, (prompt, output) = contexts.popitem(last=False)
+            self._context_tokens -= len(prompt) + len(output)
+            self.stats.contexts_dropped += 1
+
+    def _drop_context(self, tid: str) -> bool:
+        """Drops a trajectory's held context; whether one was held."""
+        held = self._contexts.pop(tid, None)
+        if held is None:
+            return False
+        self._context_tokens -= len(held[0]) + len(held[1])
+        return True
+
+    @property
+    def held_context_tokens(self) -> int:
+        """Tokens of the trajectory contexts the router holds (``max_context_tokens``)."""
+        return self._context_tokens
 
     def _put_recent(self, table: OrderedDict[str, Any], tid: str, value: Any) -> None:
         """Sets a trajectory's entry as the most recent one, keeping at most
