@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="repeats of each measurement")
     p.add_argument("--requests", type=int, help="requests per throughput run")
     p.add_argument("--concurrency", type=int, help="requests in flight (throughput)")
+    p.add_argument("--slices", type=int,
+                   help="parts of each run for which the targets take turns (throughput)")
     p.add_argument("--affinities", type=float, nargs="+", metavar="A",
                    help="fractions of requests continuing an earlier session")
     p.add_argument("--group-turns", type=int, nargs="+", metavar="T",
@@ -74,7 +76,8 @@ def configs(args: argparse.Namespace) -> tuple[RpsBenchConfig, PolicyBenchConfig
     if args.repeats is not None:
         common["repeats"] = args.repeats
     rps_over = dict(common, sglang=not args.no_sglang)
-    for flag, name in (("requests", "num_requests"), ("concurrency", "concurrency")):
+    for flag, name in (("requests", "num_requests"), ("concurrency", "concurrency"),
+                       ("slices", "slices")):
         if getattr(args, flag) is not None:
             rps_over[name] = getattr(args, flag)
     if args.affinities:

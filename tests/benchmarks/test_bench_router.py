@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import itertools
 import json
+import math
 from pathlib import Path
 from types import ModuleType
 
@@ -15,11 +16,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from war.router.bench import (
+    LoadRun,
     PolicyBenchConfig,
     RpsBenchConfig,
     build_load,
     build_sessions,
     instant_replica_app,
+    load_figures,
     paired_ratio,
     percentile,
     run_policies,
@@ -99,6 +102,19 @@ def test_router_rps_rows() -> None:
     assert [(r["router"], r["api"]) for r in one] == [("direct", "war"), ("war", "war")]
     with pytest.raises(ValueError, match="apis"):
         dataclasses.replace(config, apis=("grpc",))
+    with pytest.raises(ValueError, match="slices"):
+        dataclasses.replace(config, slices=21)
+    assert config.slices == 5  # (20 requests: the targets took turns on 4 each)
+
+
+def test_slices_of_a_run_count_together() -> None:
+    # two parts of one target's run: 3 answers in 1 s, then 1 answer (and a failure)
+    # in 3 s -> 4 answers in 4 s, percentiles over the four latencies
+    fig = load_figures([LoadRun((0.001, 0.002, 0.003), 0, 1.0), LoadRun((0.004,), 1, 3.0)])
+    assert fig.rps == 1.0 and fig.errors == 1
+    assert fig.p50_ms == pytest.approx(2.5) and fig.p99_ms == pytest.approx(3.97)
+    empty = load_figures([LoadRun((), 0, 0.0)])
+    assert math.isnan(empty.rps) and empty.errors == 0
 
 
 def test_paired_ratio_is_the_median_of_side_by_side_ratios() -> None:

@@ -372,11 +372,39 @@ class LoadFigures:
     errors: int
 
 
+@dataclass(frozen=True)
+class LoadRun:
+    """What one ``drive_run`` saw: each answered request's latency (seconds), the
+    failures, and the wall time with the requests in flight."""
+
+    latencies: tuple[float, ...]
+    errors: int
+    wall_s: float
+
+
+def load_figures(runs: Sequence[LoadRun]) -> LoadFigures:
+    """Requests/s and latency percentiles over ``runs`` taken together (answered
+    requests over the time spent in them)."""
+    latencies = [x for r in runs for x in r.latencies]
+    wall = sum(r.wall_s for r in runs)
+    return LoadFigures(rps=len(latencies) / wall if wall > 0 else math.nan,
+                       p50_ms=1e3 * percentile(latencies, 50),
+                       p99_ms=1e3 * percentile(latencies, 99),
+                       errors=sum(r.errors for r in runs))
+
+
 async def drive(url: str, items: Sequence[LoadItem], concurrency: int, api: str = "war",
                 max_tokens: int = 8, timeout_s: float = 60.0) -> LoadFigures:
     """Sends ``items`` to ``url`` with ``concurrency`` requests in flight; ``api``:
     ``war`` (``/v1/completions``) or ``sglang`` (``/generate`` with ``input_ids``); the
     session is the ``X-Trajectory-Id`` header on both."""
+    return load_figures([await drive_run(url, items, concurrency, api, max_tokens,
+                                         timeout_s)])
+
+
+async def drive_run(url: str, items: Sequence[LoadItem], concurrency: int, api: str = "war",
+                    max_tokens: int = 8, timeout_s: float = 60.0) -> LoadRun:
+    """``drive``, returning what it saw rather than its figures."""
     if api not in ("war", "sglang"):
         raise ValueError(f"api must be war or sglang, got {api!r}")
     latencies: list[float] = []
@@ -417,9 +445,7 @@ async def drive(url: str, items: Sequence[LoadItem], concurrency: int, api: str 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    return LoadFigures(rps=len(latencies) / wall if wall > 0 else math.nan,
-                       p50_ms=1e3 * percentile(latencies, 50),
-                       p99_ms=1e3 * percentile(latencies, 99), errors=errors)
+    return LoadRun(tuple(latencies), errors, wall)
 
 
 # --------------------------------------------------------------------------- routing throughput
@@ -429,7 +455,8 @@ async def drive(url: str, items: Sequence[LoadItem], concurrency: int, api: str 
 class RpsBenchConfig:
     """The routing-throughput measurement: ``num_replicas`` instant replicas; per
     target, affinity and repeat, ``num_requests`` requests (after ``warmup``) with
-    ``concurrency`` in flight; ``policies`` of ``war route``, each reached over each of
+    ``concurrency`` in flight, sent in ``slices`` parts for which the targets take
+    turns; ``policies`` of ``war route``, each reached over each of
     ``apis`` (``war``: WAR's ``/v1/completions`` to the router and to the replicas;
     ``sglang``: SGLang's ``/generate`` on both legs, as SGLang's router is driven and
     drives its workers); SGLang's router too when ``sglang`` and it is installed."""
@@ -441,18 +468,23 @@ class RpsBenchConfig:
     warmup: int = 100
     concurrency: int = 8
     repeats: int = 15  # a single repeat's ratio to sglang-router spreads 10-30 % here
+    slices: int = 5
     max_tokens: int = 8
     sglang: bool = True
     apis: tuple[str, ...] = ("war", "sglang")
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_replicas", "num_requests", "concurrency", "repeats", "max_tokens"):
+        for name in ("num_replicas", "num_requests", "concurrency", "repeats", "slices",
+                     "max_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.slices > self.num_requests:
+            raise ValueError(f"slices ({self.slices}) must be at most num_requests "
+                             f"({self.num_requests})")
         if not self.affinities or any(not 0.0 <= a <= 1.0 for a in self.affinities):
             raise ValueError(f"affinities must be in [0, 1], got {self.affinities}")
         unknown = set(self.policies) - set(POLICIES)
@@ -551,12 +583,23 @@ def run_router_rps(config: RpsBenchConfig, log: Log = _quiet) -> dict[str, Any]:
                 shift = (rep + a_i) % len(order)
                 order = order[shift:] + order[:shift]
                 for t_i in order:
-                    t = targets[t_i]
                     if warm:
+                        t = targets[t_i]
                         asyncio.run(drive(t.url, warm, config.concurrency, t.api,
                                           config.max_tokens))
-                    fig = asyncio.run(drive(t.url, measured, config.concurrency, t.api,
-                                            config.max_tokens))
+                # The targets take turns slice by slice (the order rotating), so that
+                # the machine's drift within a repeat falls on each of them alike.
+                seen: dict[int, list[LoadRun]] = {t_i: [] for t_i in order}
+                for k in range(config.slices):
+                    part = measured[k * len(measured) // config.slices:
+                                    (k + 1) * len(measured) // config.slices]
+                    for t_i in order[k % len(order):] + order[:k % len(order)]:
+                        t = targets[t_i]
+                        seen[t_i].append(asyncio.run(drive_run(
+                            t.url, part, config.concurrency, t.api, config.max_tokens)))
+                for t_i in order:
+                    t = targets[t_i]
+                    fig = load_figures(seen[t_i])
                     figures.setdefault((t_i, affinity), []).append(fig)
                     log(f"rps rep {rep} affinity {affinity:.2f} {t.router}/{t.policy} "
                         f"({t.api}): {fig.rps:.0f}/s p50 {fig.p50_ms:.2f} ms "
