@@ -414,36 +414,6 @@ def test_concurrent_calls_wait_for_the_connection_limit(arun: Run) -> None:
         assert server.accepted == 3 and len(server.requests) == 20
 
 
-def test_calls_that_give_up_waiting_for_a_connection_lose_no_slot(arun: Run) -> None:
-    # With one connection: a waiting call that times out and one cancelled while
-    # waiting must leave the slot to the calls behind them, first come first served.
-    gate = threading.Event()
-    with RawServer(gated(gate)) as server:
-        async def go() -> None:
-            pool = Pool(LOCAL, server.port, max_connections=1)
-            first = asyncio.create_task(get(pool, "/first"))
-            await eventually(lambda: len(server.requests) == 1)
-            with pytest.raises(TimeoutError):
-                await get(pool, "/timed-out", timeout_s=0.1)
-            cancelled = asyncio.create_task(get(pool, "/cancelled"))
-            second = asyncio.create_task(get(pool, "/second"))
-            third = asyncio.create_task(get(pool, "/third"))
-            await asyncio.sleep(0.05)
-            assert len(pool._slot_waiters) == 3
-            cancelled.cancel()
-            gate.set()
-            results = await asyncio.gather(first, second, third)
-            assert [body_of(r)["target"] for r in results] == ["/first", "/second", "/third"]
-            assert {body_of(r)["conn"] for r in results} == {0}
-            with pytest.raises(asyncio.CancelledError):
-                await cancelled
-            assert pool._free == 1 and not pool._slot_waiters
-            pool.close()
-
-        arun(go())
-        assert [r.target for r in server.requests] == ["/first", "/second", "/third"]
-
-
 def test_a_slot_handed_to_a_call_cancelled_before_it_ran_is_passed_on(arun: Run) -> None:
     async def go() -> None:
         pool = Pool(LOCAL, 9, max_connections=1)
@@ -795,6 +765,8 @@ def test_calls_with_different_timeouts_each_time_out_at_their_own(arun: Run) -> 
 
 
 def test_waiting_for_a_connection_counts_in_the_timeout(arun: Run) -> None:
+    # With one connection: a waiting call that times out and one cancelled while
+    # waiting leave the slot to the calls behind them, first come first served.
     gate = threading.Event()
     with RawServer(gated(gate)) as server:
         async def go() -> None:
@@ -805,13 +777,23 @@ def test_waiting_for_a_connection_counts_in_the_timeout(arun: Run) -> None:
             with pytest.raises(TimeoutError):
                 await get(pool, "/second", timeout_s=0.2)
             assert time.monotonic() - t0 < 0.7
+            cancelled = asyncio.create_task(get(pool, "/cancelled"))
+            third = asyncio.create_task(get(pool, "/third"))
+            fourth = asyncio.create_task(get(pool, "/fourth"))
+            await asyncio.sleep(0.05)
+            assert len(pool._slot_waiters) == 3
+            cancelled.cancel()
             gate.set()
-            assert body_of(await first)["target"] == "/first"
-            assert body_of(await get(pool, "/third"))["conn"] == 0  # its slot came back
+            results = await asyncio.gather(first, third, fourth)
+            assert [body_of(r)["target"] for r in results] == ["/first", "/third", "/fourth"]
+            assert {body_of(r)["conn"] for r in results} == {0}  # the slot came back
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            assert pool._free == 1 and not pool._slot_waiters
             pool.close()
 
         arun(go())
-        assert [r.target for r in server.requests] == ["/first", "/third"]
+        assert [r.target for r in server.requests] == ["/first", "/third", "/fourth"]
         assert server.accepted == 1
 
 
