@@ -344,23 +344,16 @@ class Router:
         tid = request.trajectory_id
         if tid is None:
             return
-        contexts = self._contexts
-        old = contexts.get(tid)
-        if old is not None:
-            self._context_tokens -= len(old[0]) + len(old[1])
+        self._drop_context(tid)  # (put back below as the most recent)
         if full is None:
-            if old is not None:
-                del contexts[tid]
             return
         cfg = self.config
         size = len(full) + len(result.output_ids)
         if size > cfg.max_context_tokens:  # larger than the bound alone: not held
-            if old is not None:
-                del contexts[tid]
             self.stats.contexts_dropped += 1
             return
+        contexts = self._contexts
         contexts[tid] = (full, result.output_ids)
-        contexts.move_to_end(tid)
         self._context_tokens += size
         while len(contexts) > cfg.max_trajectories or (
                 self._context_tokens > cfg.max_context_tokens):
