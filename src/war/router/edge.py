@@ -254,9 +254,8 @@ class _Connection(asyncio.Protocol):
                 request = self.queue.popleft()
                 try:
                     await self._answer(request)
-                except asyncio.CancelledError:  # the client hung up, or the server stops
-                    raise
-                except Exception:
+                except Exception:  # (a cancellation: the client hung up or the server
+                    # stops, passes through: it is not an Exception)
                     log.exception("answering a request failed")
                     self._close()
                     return
