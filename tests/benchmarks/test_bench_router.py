@@ -4,6 +4,7 @@ policies measurement (unpaced engines) and the report's keys."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 import itertools
@@ -13,14 +14,19 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from fastapi.testclient import TestClient
 
 from war.router.bench import (
+    LoadItem,
     LoadRun,
     PolicyBenchConfig,
     RpsBenchConfig,
     build_load,
     build_sessions,
+    client_session,
+    drive_run,
     instant_replica_app,
     load_figures,
     paired_ratio,
@@ -80,6 +86,40 @@ def test_instant_replica_speaks_war_and_sglang() -> None:
     for path in ("/server_info", "/get_model_info", "/v1/models"):
         assert client.get(path).status_code == 200
     assert client.get("/v1/load").json()["kv_free_tokens"] > 0
+
+
+def test_runs_through_one_session_keep_its_connections() -> None:
+    """The load client's runs through one ``client_session`` reuse its connections (no
+    slice of a repeat pays for connecting); a run without one opens its own."""
+
+    async def main() -> tuple[set[object], set[object], LoadRun, LoadRun]:
+        peers: list[object] = []
+
+        async def generate(request: web.Request) -> web.Response:
+            peers.append(request.transport.get_extra_info("peername")
+                         if request.transport is not None else None)
+            body = await request.json()
+            return web.json_response({"output_ids": body["input_ids"][:2]})
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        items = [LoadItem(f"s{i}", (i, i + 1, i + 2)) for i in range(12)]
+        async with TestServer(app, host="127.0.0.1") as server:
+            url = str(server.make_url("")).rstrip("/")
+            async with client_session(2) as session:
+                first = await drive_run(url, items, 2, "sglang", session=session)
+                second = await drive_run(url, items, 2, "sglang", session=session)
+            shared = set(peers)
+            peers.clear()
+            await drive_run(url, items, 2, "sglang")
+            await drive_run(url, items, 2, "sglang")
+            return shared, set(peers), first, second
+
+    shared, own, first, second = asyncio.run(main())
+    assert len(first.latencies) == len(second.latencies) == 12
+    assert first.errors == second.errors == 0
+    assert None not in shared and 1 <= len(shared) <= 2  # 24 requests, 2 connections
+    assert len(own) > len(shared)  # without a session each run connected anew
 
 
 @pytest.mark.slow

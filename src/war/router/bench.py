@@ -402,9 +402,22 @@ async def drive(url: str, items: Sequence[LoadItem], concurrency: int, api: str 
                                          timeout_s)])
 
 
+def client_session(concurrency: int, timeout_s: float = 60.0) -> aiohttp.ClientSession:
+    """The load client's session: at most ``concurrency`` kept-alive connections, kept
+    for 60 s idle, so that runs through one session reuse them (call within a loop)."""
+    # aiohttp: its client costs a fifth of httpx's CPU per call, so that the load
+    # client, which shares the machine, slows the targets as little as it can.
+    connector = aiohttp.TCPConnector(limit=concurrency, keepalive_timeout=60.0)
+    return aiohttp.ClientSession(connector=connector,
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+
 async def drive_run(url: str, items: Sequence[LoadItem], concurrency: int, api: str = "war",
-                    max_tokens: int = 8, timeout_s: float = 60.0) -> LoadRun:
-    """``drive``, returning what it saw rather than its figures."""
+                    max_tokens: int = 8, timeout_s: float = 60.0,
+                    session: aiohttp.ClientSession | None = None) -> LoadRun:
+    """``drive``, returning what it saw rather than its figures; through ``session``
+    (``client_session``, with at least ``concurrency`` connections) when given, so that
+    the connections outlive the run, else through a session of its own."""
     if api not in ("war", "sglang"):
         raise ValueError(f"api must be war or sglang, got {api!r}")
     latencies: list[float] = []
@@ -437,14 +450,16 @@ async def drive_run(url: str, items: Sequence[LoadItem], concurrency: int, api: 
             else:
                 errors += 1
 
-    # aiohttp: its client costs a fifth of httpx's CPU per call, so that the load
-    # client, which shares the machine, slows the targets as little as it can.
-    connector = aiohttp.TCPConnector(limit=concurrency, keepalive_timeout=4.0)
-    async with aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+    async def run(session: aiohttp.ClientSession) -> float:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    if session is not None:
+        wall = await run(session)
+    else:
+        async with client_session(concurrency, timeout_s) as own:
+            wall = await run(own)
     return LoadRun(tuple(latencies), errors, wall)
 
 
@@ -527,6 +542,35 @@ def _sglang_service(replica_urls: Sequence[str], port: int) -> Service:
     return Service("sglang-router", argv, f"http://127.0.0.1:{port}/health")
 
 
+async def _take_turns(targets: Sequence[_Target], order: Sequence[int],
+                      warm: Sequence[LoadItem], measured: Sequence[LoadItem],
+                      config: RpsBenchConfig) -> dict[int, list[LoadRun]]:
+    """One repeat at one affinity: each target (in ``order``) gets the ``warm`` requests,
+    then the targets take turns slice by slice on ``measured`` (the order rotating), so
+    that the machine's drift within a repeat falls on each of them alike. Each target
+    has one client session for the whole repeat: its connections are opened during the
+    warm-up and kept, as a rollout client keeps them, so that no slice pays for
+    connecting."""
+    sessions = {t_i: client_session(config.concurrency) for t_i in order}
+    try:
+        for t_i in order:
+            t = targets[t_i]
+            await drive_run(t.url, warm, config.concurrency, t.api, config.max_tokens,
+                            session=sessions[t_i])
+        seen: dict[int, list[LoadRun]] = {t_i: [] for t_i in order}
+        for k in range(config.slices):
+            part = measured[k * len(measured) // config.slices:
+                            (k + 1) * len(measured) // config.slices]
+            for t_i in list(order[k % len(order):]) + list(order[:k % len(order)]):
+                t = targets[t_i]
+                seen[t_i].append(await drive_run(t.url, part, config.concurrency, t.api,
+                                                 config.max_tokens, session=sessions[t_i]))
+        return seen
+    finally:
+        for session in sessions.values():
+            await session.close()
+
+
 def run_router_rps(config: RpsBenchConfig, log: Log = _quiet) -> dict[str, Any]:
     """Routing throughput of each target (see the module docstring). Returns
     ``{"router_rps": rows, "sglang_router": status}``; each row has ``router``,
@@ -582,21 +626,7 @@ def run_router_rps(config: RpsBenchConfig, log: Log = _quiet) -> dict[str, Any]:
                 order = list(range(len(targets)))
                 shift = (rep + a_i) % len(order)
                 order = order[shift:] + order[:shift]
-                for t_i in order:
-                    if warm:
-                        t = targets[t_i]
-                        asyncio.run(drive(t.url, warm, config.concurrency, t.api,
-                                          config.max_tokens))
-                # The targets take turns slice by slice (the order rotating), so that
-                # the machine's drift within a repeat falls on each of them alike.
-                seen: dict[int, list[LoadRun]] = {t_i: [] for t_i in order}
-                for k in range(config.slices):
-                    part = measured[k * len(measured) // config.slices:
-                                    (k + 1) * len(measured) // config.slices]
-                    for t_i in order[k % len(order):] + order[:k % len(order)]:
-                        t = targets[t_i]
-                        seen[t_i].append(asyncio.run(drive_run(
-                            t.url, part, config.concurrency, t.api, config.max_tokens)))
+                seen = asyncio.run(_take_turns(targets, order, warm, measured, config))
                 for t_i in order:
                     t = targets[t_i]
                     fig = load_figures(seen[t_i])
