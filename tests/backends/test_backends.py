@@ -504,11 +504,14 @@ def fake_vllm(shape: str, seen: list[dict[str, Any]], gate: asyncio.Event | None
         out = _fake_tokens(body["prompt"], body["max_tokens"])
         choice: dict[str, Any] = {
             "index": 0, "text": "xx", "finish_reason": "length", "stop_reason": None,
-            "logprobs": {"text_offset": [0] * len(out),
-                         "token_logprobs": [-0.25 * (i + 1) for i in range(len(out))],
-                         "tokens": [f"token_id:{t}" for t in out],
-                         "top_logprobs": [{f"token_id:{t}": -0.25} for t in out]},
+            "logprobs": None,
         }
+        if body.get("logprobs") is not None:  # as vLLM: logprobs only when asked
+            choice["logprobs"] = {
+                "text_offset": [0] * len(out),
+                "token_logprobs": [-0.25 * (i + 1) for i in range(len(out))],
+                "tokens": [f"token_id:{t}" for t in out],
+                "top_logprobs": [{f"token_id:{t}": -0.25} for t in out]}
         if shape == "token_ids":
             choice["token_ids"] = out
             choice["prompt_token_ids"] = body["prompt"]
@@ -544,9 +547,10 @@ def fake_sglang(seen: list[dict[str, Any]], with_output_ids: bool) -> FastAPI:
                 "id": body["rid"], "prompt_tokens": len(body["input_ids"]),
                 "completion_tokens": len(out), "cached_tokens": 2,
                 "finish_reason": {"type": "length", "length": len(out)},
-                "output_token_logprobs": [[-0.5, t, None] for t in out],
             },
         }
+        if body["return_logprob"]:  # as SGLang: logprobs only when asked
+            answer["meta_info"]["output_token_logprobs"] = [[-0.5, t, None] for t in out]
         if with_output_ids:
             answer["output_ids"] = out
         return answer
@@ -590,7 +594,71 @@ def test_vllm_token_ids_and_logprobs(shape: str) -> None:
         "skip_special_tokens": False, "logprobs": 1, "return_token_ids": True,
         "return_tokens_as_token_ids": True, "seed": 11,
     }
-    assert seen[1]["logprobs"] == 1  # always asked: the token-id fallback needs it
+    if shape == "token_ids":  # the ids came back themselves: logprobs only when wanted
+        assert "logprobs" not in seen[1] and backend.ids_direct
+    else:  # the ids come only in the logprobs: always asked
+        assert seen[1]["logprobs"] == 1 and not backend.ids_direct
+    assert backend.logprob_fallbacks == 0
+
+
+@pytest.mark.parametrize("server", ["vllm", "sglang"])
+def test_logprobs_asked_again_when_a_server_stops_returning_ids(server: str) -> None:
+    """A server whose answers stop carrying the token ids themselves: the call that
+    did not ask for logprobs is made once more asking for them (its result is whole),
+    and calls ask for them again from then on; nothing is lost."""
+    seen: list[dict[str, Any]] = []
+    direct = [True]
+    app = FastAPI()
+
+    def tokens(body: dict[str, Any]) -> list[int]:
+        return _fake_tokens(body.get("prompt") or body.get("input_ids") or [0], 2)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        seen.append(body)
+        out = tokens(body)
+        choice: dict[str, Any] = {"text": "", "finish_reason": "length", "logprobs": None}
+        if body.get("logprobs") is not None:
+            choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in out],
+                                  "token_logprobs": [-1.0] * len(out)}
+        if direct[0]:
+            choice["token_ids"] = out
+        return {"choices": [choice], "usage": {"prompt_tokens": 1}}
+
+    @app.post("/generate")
+    async def generate(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        seen.append(body)
+        out = tokens(body)
+        answer: dict[str, Any] = {"text": "", "meta_info": {"finish_reason": {"type": "length"}}}
+        if body["return_logprob"]:
+            answer["meta_info"]["output_token_logprobs"] = [[-1.0, t, None] for t in out]
+        if direct[0]:
+            answer["output_ids"] = out
+        return answer
+
+    backend = openai_backend(app, server=server)
+    asked = (lambda b: b.get("logprobs") == 1) if server == "vllm" else (
+        lambda b: b["return_logprob"] is True)
+    quiet = SamplingParams(max_tokens=2, logprobs=False)
+
+    async def go() -> None:
+        first = await backend.generate(req("a", (5,), quiet))  # unknown yet: asks
+        second = await backend.generate(req("b", (5,), quiet))  # learned: does not ask
+        assert first.output_ids == second.output_ids == (6, 7)
+        assert [asked(b) for b in seen] == [True, False] and backend.ids_direct
+        direct[0] = False  # (say, the server was replaced by an older version)
+        third = await backend.generate(req("c", (5,), quiet))
+        assert third.output_ids == (6, 7) and third.logprobs == ()
+        assert [asked(b) for b in seen[2:]] == [False, True]  # the same call, once more
+        assert backend.logprob_fallbacks == 1 and not backend.ids_direct
+        fourth = await backend.generate(req("d", (5,), quiet))
+        assert fourth.output_ids == (6, 7) and asked(seen[-1]) and len(seen) == 5
+        wanted = await backend.generate(req("e", (5,), SamplingParams(max_tokens=2)))
+        assert wanted.logprobs == (-1.0, -1.0) and asked(seen[-1])
+
+    run(go())
 
 
 def test_vllm_priority_scheduling_and_malformed_answers() -> None:
@@ -662,6 +730,12 @@ def test_sglang_generate(with_output_ids: bool) -> None:
                             "stop_token_ids": [1], "ignore_eos": True,
                             "skip_special_tokens": False, "sampling_seed": 5},
     }
+    quiet = run(backend.generate(req("s2", (40,), SamplingParams(max_tokens=2,
+                                                                   logprobs=False))))
+    assert quiet.output_ids == (41, 42) and quiet.logprobs == ()
+    # logprobs are asked for without being wanted only while the ids may come in them alone
+    assert seen[1]["return_logprob"] is (not with_output_ids)
+    assert backend.ids_direct is with_output_ids and backend.logprob_fallbacks == 0
 
 
 VLLM_METRICS = """\

@@ -4,11 +4,17 @@ Knows: for ``server="vllm"``, the OpenAI-compatible ``POST /v1/completions`` wit
 token-id prompt, asking for token ids back (``return_token_ids``, vLLM >= 0.10;
 else ``logprobs.tokens`` as ``"token_id:123"`` through
 ``return_tokens_as_token_ids``; both are sent and whichever comes back is parsed)
-and logprobs (``logprobs: 1``, always sent: the fallback needs it);
+and logprobs (``logprobs: 1``) when the request wants them or the server has not yet
+shown that it returns the token ids themselves (the fallback needs them);
 ``skip_special_tokens: false``, ``ignore_eos`` with the request's own stop token
 ids, ``top_k`` (``0`` -> ``-1``), ``seed``. For ``server="sglang"``, SGLang's native
 ``POST /generate`` (``input_ids`` in, ``output_ids`` and
-``meta_info.output_token_logprobs`` out). The error mapping is the one of
+``meta_info.output_token_logprobs`` out; ``return_logprob`` on the same terms as
+vLLM's ``logprobs``). Logprobs cost the server work and the answer bytes, so once an
+answer has carried its token ids directly, requests that do not want logprobs stop
+asking for them; if a later answer comes without its ids, the call is made once more
+asking for logprobs (nothing is lost) and the backend asks for them again from then
+on (``logprob_fallbacks`` counts such calls). The error mapping is the one of
 ``war.backends.http``. Load comes from what this backend has in flight (requests,
 prompt tokens) and, best effort, from the server's Prometheus ``/metrics``
 (vLLM's ``vllm:num_requests_running``/``waiting``, ``kv_cache_usage_perc`` or
@@ -236,6 +242,19 @@ def parse_sglang_generate(request: GenRequest, data: Any, total_s: float = 0.0) 
     )
 
 
+def _carries_ids(data: Any, vllm: bool) -> bool:
+    """Whether an answer holds its token ids themselves (vLLM's ``choices[0].token_ids``,
+    SGLang's ``output_ids``), not only in its logprobs."""
+    try:
+        if vllm:
+            return data["choices"][0].get("token_ids") is not None
+        if isinstance(data, list):
+            data = data[0]
+        return data.get("output_ids") is not None
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return False
+
+
 # ---------------------------------------------------------------- the backend
 
 
@@ -287,6 +306,10 @@ class OpenAICompatBackend:
                                  health_timeout_s, max_connections, client)
         self._inflight: dict[int, int] = {}  # call key -> prompt tokens
         self._next_key = 0
+        # whether the server's answers carry the token ids themselves (learned): until
+        # then every call asks for logprobs, whose tokens are the fallback
+        self.ids_direct = False
+        self.logprob_fallbacks = 0  # calls made again because the ids did not come
         self._metrics_missing = False
 
     def __repr__(self) -> str:
@@ -294,8 +317,15 @@ class OpenAICompatBackend:
 
     # ---- requests
 
-    def vllm_body(self, request: GenRequest) -> dict[str, Any]:
-        """The vLLM ``/v1/completions`` body of ``request``."""
+    def asks_logprobs(self, request: GenRequest) -> bool:
+        """Whether the call for ``request`` asks the server for logprobs: when the
+        request wants them, or while the server has not shown that its answers carry
+        the token ids themselves."""
+        return request.sampling.logprobs or not self.ids_direct
+
+    def vllm_body(self, request: GenRequest, logprobs: bool | None = None) -> dict[str, Any]:
+        """The vLLM ``/v1/completions`` body of ``request``; ``logprobs``: ask for them
+        (``None``: ``asks_logprobs``)."""
         sp = request.sampling
         prompt: Sequence[int] | str = request.prompt_ids  # (orjson writes a tuple as an array)
         if self.text_prompt is not None:
@@ -309,10 +339,11 @@ class OpenAICompatBackend:
             "stop_token_ids": sp.stop_token_ids,
             "ignore_eos": True,
             "skip_special_tokens": False,
-            "logprobs": 1,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
+        if self.asks_logprobs(request) if logprobs is None else logprobs:
+            body["logprobs"] = 1
         if self.model is not None:
             body["model"] = self.model
         if sp.stop:
@@ -323,8 +354,9 @@ class OpenAICompatBackend:
             body["priority"] = -round(request.priority)
         return body
 
-    def sglang_body(self, request: GenRequest) -> dict[str, Any]:
-        """The SGLang ``/generate`` body of ``request``."""
+    def sglang_body(self, request: GenRequest, logprobs: bool | None = None) -> dict[str, Any]:
+        """The SGLang ``/generate`` body of ``request``; ``logprobs``: ask for them
+        (``None``: ``asks_logprobs``)."""
         sp = request.sampling
         params: dict[str, Any] = {
             "max_new_tokens": sp.max_tokens,
@@ -342,7 +374,7 @@ class OpenAICompatBackend:
         body: dict[str, Any] = {
             "input_ids": request.prompt_ids,
             "sampling_params": params,
-            "return_logprob": True,
+            "return_logprob": self.asks_logprobs(request) if logprobs is None else logprobs,
             "rid": request.request_id,
         }
         if self.priority_scheduling:
@@ -358,15 +390,21 @@ class OpenAICompatBackend:
         self._next_key += 1
         self._inflight[key] = len(request.prompt_ids)
         t0 = time.perf_counter()
+        vllm = self.server == "vllm"
+        path, make = ("/v1/completions", self.vllm_body) if vllm else ("/generate",
+                                                                         self.sglang_body)
+        parse = parse_vllm_completion if vllm else parse_sglang_generate
         try:
-            if self.server == "vllm":
-                data = await self._http.post_json("/v1/completions", self.vllm_body(request),
-                                                  self.name)
-                parse = parse_vllm_completion
-            else:
-                data = await self._http.post_json("/generate", self.sglang_body(request),
-                                                  self.name)
-                parse = parse_sglang_generate
+            asked = self.asks_logprobs(request)
+            data = await self._http.post_json(path, make(request, asked), self.name)
+            direct = _carries_ids(data, vllm)
+            if not asked and not direct:
+                # the server stopped returning the ids themselves: once more, asking for
+                # logprobs (whose tokens hold them)
+                self.logprob_fallbacks += 1
+                data = await self._http.post_json(path, make(request, True), self.name)
+                direct = _carries_ids(data, vllm)
+            self.ids_direct = direct  # what the latest answer showed
         finally:
             del self._inflight[key]
         if self.text_prompt is not None and isinstance(data, dict):
