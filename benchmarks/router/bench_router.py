@@ -5,7 +5,8 @@
    backends) and over SGLang's (`/generate`, SGLang backends: the API sglang-router is
    driven with), SGLang's router (`sglang-router`, cache_aware) in front of the same
    replicas when it is installed, and direct calls to one replica over each API;
-   a load client keeps `--concurrency` requests in flight, each continuing an earlier
+   a load client keeps `--concurrency` requests in flight (8 and 64 by default, each
+   measured), each continuing an earlier
    session (a prefix shared with an earlier prompt) with probability `affinity`.
    Requests/s, p50/p99 latency, and the latency a router adds over direct calls.
 2. Policies on real replicas: 4 in-process engines over a tiny random model, each step
@@ -49,7 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", choices=POLICIES, help="policies to compare")
     p.add_argument("--repeats", type=int, help="repeats of each measurement")
     p.add_argument("--requests", type=int, help="requests per throughput run")
-    p.add_argument("--concurrency", type=int, help="requests in flight (throughput)")
+    p.add_argument("--concurrency", type=int, nargs="+", metavar="C",
+                   help="requests in flight, each measured (throughput; default 8 64)")
     p.add_argument("--slices", type=int,
                    help="parts of each run for which the targets take turns (throughput)")
     p.add_argument("--affinities", type=float, nargs="+", metavar="A",
@@ -76,10 +78,11 @@ def configs(args: argparse.Namespace) -> tuple[RpsBenchConfig, PolicyBenchConfig
     if args.repeats is not None:
         common["repeats"] = args.repeats
     rps_over = dict(common, sglang=not args.no_sglang)
-    for flag, name in (("requests", "num_requests"), ("concurrency", "concurrency"),
-                       ("slices", "slices")):
+    for flag, name in (("requests", "num_requests"), ("slices", "slices")):
         if getattr(args, flag) is not None:
             rps_over[name] = getattr(args, flag)
+    if args.concurrency:
+        rps_over["concurrencies"] = tuple(args.concurrency)
     if args.affinities:
         rps_over["affinities"] = tuple(args.affinities)
     if args.apis:

@@ -39,7 +39,7 @@ from war.router.bench import (
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "router" / "bench_router.py"
 RPS_KEYS = {"router", "policy", "rps", "affinity", "p50_ms", "p99_ms", "added_p50_ms",
-            "added_p99_ms", "errors", "api", "vs_sglang_router"}
+            "added_p99_ms", "errors", "api", "vs_sglang_router", "concurrency"}
 POLICY_KEYS = {"policy", "prefix_hit_rate", "makespan_s", "migrations"}
 UNPACED = {"step_ms": 0.0, "prefill_us": 0.0, "decode_us": 0.0}
 
@@ -125,7 +125,8 @@ def test_runs_through_one_session_keep_its_connections() -> None:
 @pytest.mark.slow
 def test_router_rps_rows() -> None:
     config = RpsBenchConfig(num_replicas=1, policies=("round_robin",), affinities=(0.5,),
-                            num_requests=20, warmup=2, concurrency=2, repeats=1, sglang=False)
+                            num_requests=20, warmup=2, concurrencies=(2,), repeats=1,
+                            sglang=False)
     out = run_router_rps(config)
     assert out["sglang_router"]["available"] is False
     rows = out["router_rps"]
@@ -138,8 +139,15 @@ def test_router_rps_rows() -> None:
         assert set(r) >= RPS_KEYS and r["errors"] == 0 and r["rps"] > 0
         assert r["vs_sglang_router"] is None  # (no sglang-router in this run)
     assert rows[0]["added_p50_ms"] == 0.0 and rows[3]["added_p50_ms"] == 0.0
-    one = run_router_rps(dataclasses.replace(config, apis=("war",)))["router_rps"]
-    assert [(r["router"], r["api"]) for r in one] == [("direct", "war"), ("war", "war")]
+    one = run_router_rps(dataclasses.replace(config, apis=("war",), concurrencies=(1, 3))
+                         )["router_rps"]
+    # a row per number in flight
+    assert [(r["router"], r["api"], r["concurrency"]) for r in one] == [
+        ("direct", "war", 1), ("war", "war", 1), ("direct", "war", 3), ("war", "war", 3)]
+    assert all(r["errors"] == 0 and r["rps"] > 0 for r in one)
+    for bad in ((), (0,), (2, 2), (True,)):
+        with pytest.raises(ValueError, match="concurrencies"):
+            dataclasses.replace(config, concurrencies=bad)
     with pytest.raises(ValueError, match="apis"):
         dataclasses.replace(config, apis=("grpc",))
     with pytest.raises(ValueError, match="slices"):
@@ -164,19 +172,25 @@ def test_paired_ratio_is_the_median_of_side_by_side_ratios() -> None:
     assert paired_ratio([100.0, 300.0], [100.0]) == 1.0  # only the repeats both have
     assert paired_ratio([100.0], [0.0]) is None and paired_ratio([], []) is None
     row = {"router": "war", "policy": "war", "api": "sglang", "affinity": 0.5, "rps": 900.0,
-           "added_p50_ms": 1.0, "vs_sglang_router": 0.9}
-    line = summary_line({"router_rps": [row]})
-    assert "war/war[/generate] 900/s +1.0ms 0.90x" in line
-    # the throughput target: the war policy over SGLang's API, at every affinity
+           "added_p50_ms": 1.0, "vs_sglang_router": 0.9, "concurrency": 8}
+    line = summary_line({"router_rps": [row, dict(row, concurrency=64, rps=1200.0)]})
+    assert "8 in flight: war/war[/generate] 900/s +1.0ms 0.90x" in line
+    assert "64 in flight: war/war[/generate] 1200/s" in line
+    # the throughput target: the war policy over SGLang's API, at every affinity and
+    # number in flight
     others = [dict(row, affinity=0.0, vs_sglang_router=1.02),
+              dict(row, concurrency=64, vs_sglang_router=1.1),
               dict(row, api="war", vs_sglang_router=0.5),  # WAR's API: not compared
               dict(row, policy="cache_aware", vs_sglang_router=0.5),
               dict(row, affinity=0.9, vs_sglang_router=None)]  # no sglang-router
     got = targets({"router_rps": [row, *others]})
-    assert got == {"war_rps_vs_sglang_router": {"0.0": 1.02, "0.5": 0.9},
+    assert got == {"war_rps_vs_sglang_router": {"8": {"0.0": 1.02, "0.5": 0.9},
+                                                "64": {"0.5": 1.1}},
                    "war_rps_ge_sglang_router": False}
     row["vs_sglang_router"] = 1.0
     assert targets({"router_rps": [row, *others]})["war_rps_ge_sglang_router"] is True
+    others[1]["vs_sglang_router"] = 0.99  # below at 64 in flight alone
+    assert targets({"router_rps": [row, *others]})["war_rps_ge_sglang_router"] is False
 
 
 def test_sessions_and_policy_rows() -> None:

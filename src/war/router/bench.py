@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
+import itertools
 import math
 import os
 import random
@@ -469,9 +470,9 @@ async def drive_run(url: str, items: Sequence[LoadItem], concurrency: int, api: 
 @dataclass(frozen=True)
 class RpsBenchConfig:
     """The routing-throughput measurement: ``num_replicas`` instant replicas; per
-    target, affinity and repeat, ``num_requests`` requests (after ``warmup``) with
-    ``concurrency`` in flight, sent in ``slices`` parts for which the targets take
-    turns; ``policies`` of ``war route``, each reached over each of
+    target, affinity, number in flight (each of ``concurrencies``) and repeat,
+    ``num_requests`` requests (after ``warmup``), sent in ``slices`` parts for which
+    the targets take turns; ``policies`` of ``war route``, each reached over each of
     ``apis`` (``war``: WAR's ``/v1/completions`` to the router and to the replicas;
     ``sglang``: SGLang's ``/generate`` on both legs, as SGLang's router is driven and
     drives its workers); SGLang's router too when ``sglang`` and it is installed."""
@@ -481,7 +482,9 @@ class RpsBenchConfig:
     affinities: tuple[float, ...] = (0.0, 0.5, 0.9)
     num_requests: int = 1000
     warmup: int = 100
-    concurrency: int = 8
+    # 8 in flight: the router's latency on a short path matters; 64: its CPU per
+    # request does (a rollout keeps hundreds of requests in flight)
+    concurrencies: tuple[int, ...] = (8, 64)
     repeats: int = 15  # a single repeat's ratio to sglang-router spreads 10-30 % here
     slices: int = 5
     max_tokens: int = 8
@@ -490,11 +493,15 @@ class RpsBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_replicas", "num_requests", "concurrency", "repeats", "slices",
-                     "max_tokens"):
+        for name in ("num_replicas", "num_requests", "repeats", "slices", "max_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not self.concurrencies or len(set(self.concurrencies)) != len(self.concurrencies) \
+                or any(isinstance(c, bool) or not isinstance(c, int) or c < 1
+                       for c in self.concurrencies):
+            raise ValueError("concurrencies must be distinct ints >= 1, got "
+                             f"{self.concurrencies!r}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.slices > self.num_requests:
@@ -510,7 +517,8 @@ class RpsBenchConfig:
 
     @classmethod
     def quick(cls) -> RpsBenchConfig:
-        return cls(affinities=(0.8,), num_requests=300, warmup=30, repeats=3)
+        return cls(affinities=(0.8,), concurrencies=(8,), num_requests=300, warmup=30,
+                   repeats=3)
 
 
 @dataclass(frozen=True)
@@ -544,18 +552,19 @@ def _sglang_service(replica_urls: Sequence[str], port: int) -> Service:
 
 async def _take_turns(targets: Sequence[_Target], order: Sequence[int],
                       warm: Sequence[LoadItem], measured: Sequence[LoadItem],
-                      config: RpsBenchConfig) -> dict[int, list[LoadRun]]:
-    """One repeat at one affinity: each target (in ``order``) gets the ``warm`` requests,
+                      config: RpsBenchConfig, concurrency: int) -> dict[int, list[LoadRun]]:
+    """One repeat at one affinity with ``concurrency`` requests in flight: each target
+    (in ``order``) gets the ``warm`` requests,
     then the targets take turns slice by slice on ``measured`` (the order rotating), so
     that the machine's drift within a repeat falls on each of them alike. Each target
     has one client session for the whole repeat: its connections are opened during the
     warm-up and kept, as a rollout client keeps them, so that no slice pays for
     connecting."""
-    sessions = {t_i: client_session(config.concurrency) for t_i in order}
+    sessions = {t_i: client_session(concurrency) for t_i in order}
     try:
         for t_i in order:
             t = targets[t_i]
-            await drive_run(t.url, warm, config.concurrency, t.api, config.max_tokens,
+            await drive_run(t.url, warm, concurrency, t.api, config.max_tokens,
                             session=sessions[t_i])
         seen: dict[int, list[LoadRun]] = {t_i: [] for t_i in order}
         for k in range(config.slices):
@@ -563,7 +572,7 @@ async def _take_turns(targets: Sequence[_Target], order: Sequence[int],
                             (k + 1) * len(measured) // config.slices]
             for t_i in list(order[k % len(order):]) + list(order[:k % len(order)]):
                 t = targets[t_i]
-                seen[t_i].append(await drive_run(t.url, part, config.concurrency, t.api,
+                seen[t_i].append(await drive_run(t.url, part, concurrency, t.api,
                                                  config.max_tokens, session=sessions[t_i]))
         return seen
     finally:
@@ -574,7 +583,8 @@ async def _take_turns(targets: Sequence[_Target], order: Sequence[int],
 def run_router_rps(config: RpsBenchConfig, log: Log = _quiet) -> dict[str, Any]:
     """Routing throughput of each target (see the module docstring). Returns
     ``{"router_rps": rows, "sglang_router": status}``; each row has ``router``,
-    ``policy``, ``affinity``, ``rps``, ``p50_ms``, ``p99_ms`` (medians over repeats),
+    ``policy``, ``affinity``, ``concurrency``, ``rps``, ``p50_ms``, ``p99_ms`` (medians
+    over repeats),
     ``added_p50_ms`` / ``added_p99_ms`` (over direct calls, per repeat, median),
     ``vs_sglang_router`` (requests/s over sglang-router's in the same repeat, median;
     ``None`` without sglang-router), ``errors`` (summed) and ``api``."""
@@ -601,8 +611,8 @@ def run_router_rps(config: RpsBenchConfig, log: Log = _quiet) -> dict[str, Any]:
         targets.append(_Target("sglang-router", "cache_aware", f"http://127.0.0.1:{port}",
                                "sglang"))
         targets.append(_Target("direct", None, replica_urls[0], "sglang"))
-    # figures[(target index, affinity)] -> one LoadFigures per repeat
-    figures: dict[tuple[int, float], list[LoadFigures]] = {}
+    # figures[(target index, affinity, concurrency)] -> one LoadFigures per repeat
+    figures: dict[tuple[int, float, int], list[LoadFigures]] = {}
     try:
         # The replicas first (the routers check them as they start), then every
         # router at once.
@@ -626,31 +636,34 @@ def run_router_rps(config: RpsBenchConfig, log: Log = _quiet) -> dict[str, Any]:
                 order = list(range(len(targets)))
                 shift = (rep + a_i) % len(order)
                 order = order[shift:] + order[:shift]
-                seen = asyncio.run(_take_turns(targets, order, warm, measured, config))
-                for t_i in order:
-                    t = targets[t_i]
-                    fig = load_figures(seen[t_i])
-                    figures.setdefault((t_i, affinity), []).append(fig)
-                    log(f"rps rep {rep} affinity {affinity:.2f} {t.router}/{t.policy} "
-                        f"({t.api}): {fig.rps:.0f}/s p50 {fig.p50_ms:.2f} ms "
-                        f"p99 {fig.p99_ms:.2f} ms errors {fig.errors}")
+                for conc in config.concurrencies:
+                    seen = asyncio.run(_take_turns(targets, order, warm, measured, config,
+                                                   conc))
+                    for t_i in order:
+                        t = targets[t_i]
+                        fig = load_figures(seen[t_i])
+                        figures.setdefault((t_i, affinity, conc), []).append(fig)
+                        log(f"rps rep {rep} affinity {affinity:.2f} in flight {conc} "
+                            f"{t.router}/{t.policy} ({t.api}): {fig.rps:.0f}/s p50 "
+                            f"{fig.p50_ms:.2f} ms p99 {fig.p99_ms:.2f} ms errors {fig.errors}")
     finally:
         for s in reversed(items):
             s.stop()
     rows = []
     peer = next((i for i, t in enumerate(targets) if t.router == "sglang-router"), None)
-    for affinity in config.affinities:
-        direct = {api: figures.get((i, affinity), []) for i, t in enumerate(targets)
+    for conc, affinity in itertools.product(config.concurrencies, config.affinities):
+        key = (affinity, conc)
+        direct = {api: figures.get((i, *key), []) for i, t in enumerate(targets)
                   if t.router == "direct" for api in [t.api]}
-        peer_rps = [r.rps for r in figures.get((peer, affinity), [])] if peer is not None else []
+        peer_rps = [r.rps for r in figures.get((peer, *key), [])] if peer is not None else []
         for t_i, t in enumerate(targets):
-            runs = figures.get((t_i, affinity), [])
+            runs = figures.get((t_i, *key), [])
             base = direct.get(t.api, [])
             added50 = [r.p50_ms - b.p50_ms for r, b in zip(runs, base, strict=False)]
             added99 = [r.p99_ms - b.p99_ms for r, b in zip(runs, base, strict=False)]
             rows.append({
                 "router": t.router, "policy": t.policy, "affinity": affinity, "api": t.api,
-                "rps": _median([r.rps for r in runs]),
+                "concurrency": conc, "rps": _median([r.rps for r in runs]),
                 "p50_ms": _median([r.p50_ms for r in runs]),
                 "p99_ms": _median([r.p99_ms for r in runs]),
                 "added_p50_ms": _median(added50), "added_p99_ms": _median(added99),
@@ -971,15 +984,20 @@ def run_policies(config: PolicyBenchConfig, log: Log = _quiet) -> dict[str, Any]
 
 def targets(report: dict[str, Any]) -> dict[str, Any]:
     """The targets the report is checked against: ``war route`` with the ``war`` policy
-    over SGLang's API at least sglang-router's requests/s at each affinity (the
-    median of side-by-side ratios, ``vs_sglang_router``), when both were measured;
-    ``war`` at least ``cache_aware``'s prefix hit rate, and a shorter makespan."""
+    over SGLang's API at least sglang-router's requests/s at each number in flight and
+    affinity (the median of side-by-side ratios, ``vs_sglang_router``; reported as
+    ``{concurrency: {affinity: ratio}}``), when both were measured; ``war`` at least
+    ``cache_aware``'s prefix hit rate, and a shorter makespan."""
     out: dict[str, Any] = {}
-    vs = {r["affinity"]: r["vs_sglang_router"] for r in report.get("router_rps", [])
+    vs = {(r["concurrency"], r["affinity"]): r["vs_sglang_router"]
+          for r in report.get("router_rps", [])
           if r["router"] == "war" and r["policy"] == "war" and r["api"] == "sglang"
           and r.get("vs_sglang_router") is not None}
     if vs:
-        out["war_rps_vs_sglang_router"] = {str(a): round(v, 4) for a, v in sorted(vs.items())}
+        table: dict[str, dict[str, float]] = {}
+        for (conc, a), v in sorted(vs.items()):
+            table.setdefault(str(conc), {})[str(a)] = round(v, 4)
+        out["war_rps_vs_sglang_router"] = table
         out["war_rps_ge_sglang_router"] = all(v >= 1.0 for v in vs.values())
     rows = {r["policy"]: r for r in report.get("policies", [])}
     if "war" in rows and "cache_aware" in rows:
@@ -993,14 +1011,16 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def summary_line(report: dict[str, Any]) -> str:
-    """One line: router overhead at the highest affinity, then the policies."""
+    """One line: router overhead at the highest affinity (per number in flight), then
+    the policies."""
     parts = []
     rps = report.get("router_rps", [])
-    if rps:
+    for conc in sorted({r["concurrency"] for r in rps}):
         top = max(r["affinity"] for r in rps)
         cells = []
         for r in rps:
-            if r["affinity"] != top or (r["router"] == "direct" and r["api"] != "war"):
+            if r["affinity"] != top or r["concurrency"] != conc or (
+                    r["router"] == "direct" and r["api"] != "war"):
                 continue
             name = r["router"] if r["policy"] is None else f"{r['router']}/{r['policy']}"
             if r["router"] == "war" and r["api"] == "sglang":
@@ -1009,7 +1029,7 @@ def summary_line(report: dict[str, Any]) -> str:
             if r["router"] == "war" and r.get("vs_sglang_router") is not None:
                 extra += f" {r['vs_sglang_router']:.2f}x"
             cells.append(f"{name} {r['rps']:.0f}/s{extra}")
-        parts.append(f"rps@affinity {top:g}: " + ", ".join(cells))
+        parts.append(f"rps@affinity {top:g}, {conc} in flight: " + ", ".join(cells))
     pol = report.get("policies", [])
     if pol:
         parts.append("policies hit/makespan: " + ", ".join(
