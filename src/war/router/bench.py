@@ -554,12 +554,11 @@ async def _take_turns(targets: Sequence[_Target], order: Sequence[int],
                       warm: Sequence[LoadItem], measured: Sequence[LoadItem],
                       config: RpsBenchConfig, concurrency: int) -> dict[int, list[LoadRun]]:
     """One repeat at one affinity with ``concurrency`` requests in flight: each target
-    (in ``order``) gets the ``warm`` requests,
-    then the targets take turns slice by slice on ``measured`` (the order rotating), so
-    that the machine's drift within a repeat falls on each of them alike. Each target
-    has one client session for the whole repeat: its connections are opened during the
-    warm-up and kept, as a rollout client keeps them, so that no slice pays for
-    connecting."""
+    (in ``order``) gets the ``warm`` requests, then the targets take turns slice by
+    slice on ``measured`` (the order rotating), so that the machine's drift within a
+    repeat falls on each of them alike. Each target has one client session for the
+    whole repeat: its connections are opened during the warm-up and kept, as a rollout
+    client keeps them, so that no slice pays for connecting."""
     sessions = {t_i: client_session(concurrency) for t_i in order}
     try:
         for t_i in order:
@@ -584,8 +583,8 @@ def run_router_rps(config: RpsBenchConfig, log: Log = _quiet) -> dict[str, Any]:
     """Routing throughput of each target (see the module docstring). Returns
     ``{"router_rps": rows, "sglang_router": status}``; each row has ``router``,
     ``policy``, ``affinity``, ``concurrency``, ``rps``, ``p50_ms``, ``p99_ms`` (medians
-    over repeats),
-    ``added_p50_ms`` / ``added_p99_ms`` (over direct calls, per repeat, median),
+    over repeats), ``added_p50_ms`` / ``added_p99_ms`` (over direct calls, per repeat,
+    median),
     ``vs_sglang_router`` (requests/s over sglang-router's in the same repeat, median;
     ``None`` without sglang-router), ``errors`` (summed) and ``api``."""
     sglang = sglang_router_status() if config.sglang else {
