@@ -14,7 +14,6 @@
 #include <nanobind/nanobind.h>
 
 #include <climits>
-#include <cmath>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -22,12 +21,16 @@
 #include <vector>
 
 #include "prefix_tree.h"
+#include "py_args.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 namespace wp = war::prefix;
 
 namespace {
+
+using war::pyargs::float_of;
+using war::pyargs::time_of;
 
 // An opaque handle to the end of an inserted path: the tree it belongs to and
 // a node slot with the generation it had (prefix_tree.h).
@@ -168,23 +171,6 @@ bool plain_token_ids(nb::handle tokens) {
   return true;
 }
 
-double number_of(PyObject* o, const char* what) {
-  const double v = PyFloat_CheckExact(o) ? PyFloat_AS_DOUBLE(o) : PyFloat_AsDouble(o);
-  if (v == -1.0 && PyErr_Occurred()) {
-    if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw nb::python_error();
-    PyErr_Clear();
-    throw nb::type_error(
-        (std::string(what) + " must be a number, got " + Py_TYPE(o)->tp_name).c_str());
-  }
-  return v;
-}
-
-double time_of(PyObject* o) {
-  const double v = number_of(o, "now");
-  if (std::isnan(v)) throw nb::value_error("now must not be NaN");
-  return v;
-}
-
 void check_name(PyObject* o) {
   if (!PyUnicode_Check(o))
     throw nb::type_error(
@@ -294,7 +280,7 @@ class Tree {
   }
 
   int64_t evict(nb::handle replica, nb::handle max_tokens) {
-    const double m = number_of(max_tokens.ptr(), "max_tokens");
+    const double m = float_of(max_tokens.ptr(), "max_tokens");
     return tree_.evict(find(replica), m);
   }
 
@@ -351,7 +337,7 @@ class Tree {
     if (PyBool_Check(b.ptr()))
       throw nb::value_error(
           ("max_tokens_per_replica must be >= 1, got " + repr(b.ptr())).c_str());
-    const double v = number_of(b.ptr(), "max_tokens_per_replica");
+    const double v = float_of(b.ptr(), "max_tokens_per_replica");
     if (v < 1)  // NaN passes, as it does in the reference (nothing is ever evicted)
       throw nb::value_error(
           ("max_tokens_per_replica must be >= 1, got " + repr(b.ptr())).c_str());

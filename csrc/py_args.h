@@ -1,10 +1,12 @@
-// Reading Python arguments in the router's native bindings (progress_bindings.cc,
-// war_policy_bindings.cc): one place for the checks and messages they share.
+// Reading Python arguments in the router's native bindings (prefix_tree_bindings.cc,
+// progress_bindings.cc, war_policy_bindings.cc): one place for the checks and messages
+// they share.
 //
 // Knows: how a str becomes the UTF-8 bytes a key is made of (a str with lone
 // surrogates as 'surrogatepass' bytes, so that any two different str are different
 // keys) and back, how an int argument (or anything Python takes as an index) is
-// read within int64, how a number is read as a double, and the TypeError /
+// read within int64, how a number is read as a double (a time: not NaN), and the
+// TypeError / ValueError /
 // OverflowError each raises, naming the argument; `Text` / `OptText` make a str
 // (or None) argument a table key (progress.h's `Key`) for the length of a call.
 // Does not know what the values mean. Everything here raises nb::python_error
@@ -86,6 +88,16 @@ inline double float_of(PyObject* o, const char* what) {
     if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw nb::python_error();
     PyErr_Clear();
     raise_type(what, "a number", o);
+  }
+  return v;
+}
+
+// A `now` argument: a number, not NaN (ValueError).
+inline double time_of(PyObject* o) {
+  const double v = float_of(o, "now");
+  if (v != v) {
+    PyErr_SetString(PyExc_ValueError, "now must not be NaN");
+    throw nb::python_error();
   }
   return v;
 }

@@ -20,7 +20,6 @@
 // re-entrant call raises RuntimeError).
 #include <nanobind/nanobind.h>
 
-#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -44,15 +43,10 @@ using war::pyargs::int_of;
 using war::pyargs::OptText;
 using war::pyargs::raise_type;
 using war::pyargs::Text;
+using war::pyargs::time_of;
 using war::pyargs::utf8_of;
 
 constexpr size_t kPendingEnds = 65536;  // as PendingEnds' capacity
-
-double time_of(PyObject* o) {
-  const double v = float_of(o, "now");
-  if (std::isnan(v)) throw nb::value_error("now must not be NaN");
-  return v;
-}
 
 bool truth_of(PyObject* o) {
   const int t = PyObject_IsTrue(o);
