@@ -31,7 +31,7 @@ from war.backends import (
     WarHttpBackend,
     make_backend,
 )
-from war.backends.openai import metrics_from_text, parse_prometheus
+from war.backends.openai import metrics_from_text, parse_prometheus, parse_sglang_generate
 from war.backends.ray_actor import RAY_MISSING, RayEngineBackend, import_ray
 from war.engine.async_engine import AsyncEngine
 from war.engine.config import EngineConfig
@@ -1182,3 +1182,25 @@ def test_finish_endpoint_refuses_bad_bodies(async_engine: AsyncEngine) -> None:
             assert r.status_code == 200 and r.json() == {"trajectory_id": "t", "held": False}
 
     run(go())
+
+
+@pytest.mark.parametrize(("ids", "expected"), [
+    ([5, 6, 7], (5, 6, 7)),  # plain ints: taken as they are
+    ([5.0, 6, 7], (5, 6, 7)),  # numbers of another type: converted one by one
+    ([], ()),
+])
+def test_sglang_answer_parsed(ids: list[Any], expected: tuple[int, ...]) -> None:
+    request = GenRequest("r", (1, 2), SamplingParams(max_tokens=4, logprobs=False))
+    data = {"text": "", "output_ids": ids, "meta_info": {
+        "prompt_tokens": 2, "cached_tokens": 1, "finish_reason": {"type": "length"}}}
+    result = parse_sglang_generate(request, data, 0.25)
+    assert result.output_ids == expected
+    assert all(type(t) is int for t in result.output_ids)
+    assert (result.request_id, result.finish_reason, result.num_prompt_tokens,
+            result.num_cached_tokens, result.total_s, result.logprobs) == (
+        "r", "length", 2, 1, 0.25, ())
+    assert (result.num_forward_passes, result.num_draft_tokens, result.num_accepted_tokens,
+            result.num_preemptions, result.weight_version, result.queue_s) == (0, 0, 0, 0, 0, 0.0)
+    # a finish reason given as a bare string, and a batch answer of one
+    plain = parse_sglang_generate(request, [{**data, "meta_info": {"finish_reason": "stop"}}])
+    assert (plain.finish_reason, plain.num_prompt_tokens, plain.num_cached_tokens) == ("stop", 2, 0)

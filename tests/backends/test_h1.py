@@ -1113,10 +1113,20 @@ def test_channel_maps_error_answers_over_h1(arun: Run) -> None:
                 await channel.post_json("/409", {}, "r")
             with pytest.raises(ReplicaUnavailable, match="invalid JSON"):
                 await channel.get_json("/not-json", "r")
+            # a POST's answers take the same mapping (post_json reads a 200 itself)
+            with pytest.raises(ReplicaUnavailable, match=r"r: POST /500 failed \(500\): boom"):
+                await channel.post_json("/500", {}, "r")
+            with pytest.raises(ValueError, match=r"r: POST /400 refused \(400\): bad field"):
+                await channel.post_json("/400", {}, "r")
+            with pytest.raises(ReplicaUnavailable, match="r: /not-json answered with invalid JSON"):
+                await channel.post_json("/not-json", {}, "r")
             unchecked = await channel.get_unchecked("/500", "r")
             assert (unchecked.status_code, unchecked.reason, unchecked.text) == (
                 500, "Internal Server Error", "boom")
             await channel.close()
+
+            with pytest.raises(ReplicaUnavailable, match="the backend is closed"):
+                await channel.post_json("/400", {}, "r")
 
         arun(go())
         assert server.accepted == 1  # error answers keep the connection

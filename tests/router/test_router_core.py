@@ -330,3 +330,19 @@ def test_deliver_comes_before_the_bookkeeping_which_runs_even_if_it_fails() -> N
 
     asyncio.run(main())
     assert r.stats.completed == 2
+
+
+def test_views_follow_load_reports_and_health() -> None:
+    r, _reps, _ = router("a", "b")
+    assert r.views() == [ReplicaView("a"), ReplicaView("b")]  # nothing reported yet
+    r.replicas["a"].load = ReplicaLoad(num_running=1, num_waiting=3, tokens_in_flight=40,
+                                       kv_blocks_used=6, kv_blocks_total=10, block_size=16)
+    r.replicas["b"].load = ReplicaLoad(num_running=0, num_waiting=2, tokens_in_flight=0,
+                                       kv_blocks_used=0, kv_blocks_total=0, block_size=16)
+    r.replicas["b"].healthy = False
+    r.replicas["b"].num_requests, r.replicas["b"].tokens_in_flight = 2, 70
+    # a: 4 free blocks of 16 tokens out of 160; b reports no capacity (0 blocks): unknown
+    assert r.views() == [ReplicaView("a", True, 0, 0, 64, 160, 3),
+                         ReplicaView("b", False, 2, 70, None, None, 2)]
+    r.replicas["a"].load = None
+    assert r.views()[0] == ReplicaView("a")

@@ -332,7 +332,23 @@ class HttpChannel:
             transport_failure(name, path, e)
 
     async def post_json(self, path: str, body: Mapping[str, Any], name: str) -> Any:
-        answer = await self.send("POST", path, name, json=body)
+        if self.client is not None or self._closed:
+            answer = await self.send("POST", path, name, json=body)
+        else:  # ``send`` inlined: this is a router's call for every request it routes
+            try:
+                content = orjson.dumps(body)
+                got = await self._h1().request(
+                    "POST", self._prefix + path, body=content, headers=self._h1_json_headers,
+                    timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s)
+            except TRANSPORT_ERRORS as e:
+                transport_failure(name, path, e)
+            if got.status == 200:  # the common answer: no ``Answer`` built
+                try:
+                    return orjson.loads(got.body)
+                except ValueError as e:
+                    raise ReplicaUnavailable(
+                        f"{name}: {path} answered with invalid JSON") from e
+            answer = Answer(got.status, got.reason, got.body, "POST", path)
         raise_for_answer(answer, name)
         return self._json(answer, path, name)
 

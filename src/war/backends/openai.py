@@ -206,6 +206,9 @@ def parse_vllm_completion(request: GenRequest, data: Mapping[str, Any],
     )
 
 
+_INT = {int}  # the types of a list of plain ints (empty: none)
+
+
 def parse_sglang_generate(request: GenRequest, data: Any, total_s: float = 0.0) -> GenResult:
     """An SGLang ``/generate`` answer as a ``GenResult``: token ids from
     ``output_ids``, else from ``meta_info.output_token_logprobs`` (``[logprob,
@@ -216,7 +219,7 @@ def parse_sglang_generate(request: GenRequest, data: Any, total_s: float = 0.0) 
     triples = meta.get("output_token_logprobs")
     raw_ids = data.get("output_ids")
     if raw_ids is not None:
-        output = tuple(map(int, raw_ids))
+        output = tuple(raw_ids) if set(map(type, raw_ids)) <= _INT else tuple(map(int, raw_ids))
     elif triples is not None:
         output = tuple(int(t[1]) for t in triples)
     else:
@@ -230,16 +233,13 @@ def parse_sglang_generate(request: GenRequest, data: Any, total_s: float = 0.0) 
         if len(logprobs) != len(output):
             raise ValueError(f"{len(logprobs)} logprobs for {len(output)} tokens")
     reason = meta.get("finish_reason")
-    kind = reason.get("type") if isinstance(reason, Mapping) else reason
-    return GenResult(
-        request_id=request.request_id,
-        output_ids=output,
-        logprobs=logprobs,
-        finish_reason=finish_reason(kind),
-        num_prompt_tokens=int(meta.get("prompt_tokens") or len(request.prompt_ids)),
-        num_cached_tokens=int(meta.get("cached_tokens") or 0),
-        total_s=total_s,
-    )
+    kind = reason.get("type") if type(reason) is dict or isinstance(reason, Mapping) else reason
+    # (positional: request_id, output_ids, logprobs, finish_reason, prompt and cached
+    # tokens, forward passes, draft and accepted tokens, preemptions, weight version,
+    # queue_s, total_s)
+    return GenResult(request.request_id, output, logprobs, finish_reason(kind),
+                     int(meta.get("prompt_tokens") or len(request.prompt_ids)),
+                     int(meta.get("cached_tokens") or 0), 0, 0, 0, 0, 0, 0.0, total_s)
 
 
 def _carries_ids(data: Any, vllm: bool) -> bool:

@@ -88,15 +88,37 @@ class RouterConfig:
             raise ValueError(f"history_batch must be >= 1, got {self.history_batch}")
 
 
-@dataclass
 class _Replica:
-    backend: Backend
-    healthy: bool = True
-    num_requests: int = 0
-    tokens_in_flight: int = 0
-    load: ReplicaLoad | None = None
-    served: int = 0
-    failures: int = 0
+    """A replica as the router keeps it: its backend, health, what this router has in
+    flight there, and its last load report (with the parts of a ``ReplicaView`` the
+    report gives, worked out once per report rather than once per request)."""
+
+    __slots__ = ("_load", "backend", "failures", "healthy", "load_view", "num_requests",
+                 "served", "tokens_in_flight")
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.healthy = True
+        self.num_requests = 0
+        self.tokens_in_flight = 0
+        self.served = 0
+        self.failures = 0
+        self.load = None
+
+    @property
+    def load(self) -> ReplicaLoad | None:
+        return self._load
+
+    @load.setter
+    def load(self, load: ReplicaLoad | None) -> None:
+        self._load = load
+        # ReplicaView's kv_free_tokens, kv_total_tokens, num_waiting; capacity unknown
+        # when not reported (0 blocks)
+        known = load is not None and load.kv_blocks_total > 0
+        self.load_view: tuple[int | None, int | None, int] = (
+            load.kv_free_tokens if load is not None and known else None,
+            load.kv_blocks_total * load.block_size if load is not None and known else None,
+            load.num_waiting if load is not None else 0)
 
 
 @dataclass
@@ -179,16 +201,9 @@ class Router:
     # ------------------------------------------------------------ routing
 
     def views(self) -> list[ReplicaView]:
-        out = []
-        for name, r in self.replicas.items():
-            load = r.load
-            known = load is not None and load.kv_blocks_total > 0  # 0: capacity not reported
-            out.append(ReplicaView(  # positional: name, healthy, requests, tokens, KV, queue
-                name, r.healthy, r.num_requests, r.tokens_in_flight,
-                load.kv_free_tokens if load and known else None,
-                load.kv_blocks_total * load.block_size if load and known else None,
-                load.num_waiting if load else 0))
-        return out
+        # positional: name, healthy, requests, tokens, then KV free, KV total, queue
+        return [ReplicaView(name, r.healthy, r.num_requests, r.tokens_in_flight, *r.load_view)
+                for name, r in self.replicas.items()]
 
     async def generate(self, request: GenRequest) -> GenResult:
         """Serves one request on some replica, retrying elsewhere on failure."""
@@ -233,7 +248,12 @@ class Router:
             rep.num_requests += 1
             rep.tokens_in_flight += size
             try:
-                result = await self._send(rep, send, full)
+                try:  # (``_send`` inlined: one coroutine less per request)
+                    result = await rep.backend.generate(send)
+                except UnknownTrajectory:
+                    if full is None:
+                        raise
+                    result = await self._resend_whole(rep, send, full)
             except ReplicaUnavailable as exc:
                 self._mark_down(name, exc)
                 self.policy.on_complete(request, None, name, self._clock())
@@ -315,16 +335,13 @@ class Router:
         except Exception as exc:  # an optimization: the hold expires anyway
             log.debug("finishing %s on %s failed: %r", trajectory_id, name, exc)
 
-    async def _send(self, rep: _Replica, request: GenRequest,
-                    full: tuple[int, ...] | None) -> GenResult:
-        try:
-            return await rep.backend.generate(request)
-        except UnknownTrajectory:
-            if full is None:
-                raise
-            self.stats.resent_contexts += 1
-            whole = dataclasses.replace(request, prompt_ids=full, continues=False)
-            return await rep.backend.generate(whole)
+    async def _resend_whole(self, rep: _Replica, request: GenRequest,
+                            full: tuple[int, ...]) -> GenResult:
+        """``request`` again with the trajectory's whole context ``full``: its replica
+        answered that it does not hold the trajectory."""
+        self.stats.resent_contexts += 1
+        whole = dataclasses.replace(request, prompt_ids=full, continues=False)
+        return await rep.backend.generate(whole)
 
     def _full_prompt(self, request: GenRequest) -> tuple[int, ...] | None:
         """The request's whole context: its prompt, or for a continuing turn the
