@@ -158,3 +158,31 @@ def test_generate_on_the_edge_answers_and_counts() -> None:
         assert 'war_router_http_requests_total{status="200"} 1.0' in text
         assert 'war_router_http_requests_total{status="400"} 1.0' in text
     assert a.seen[-1].trajectory_id == "t2"
+
+
+def test_generate_holds_no_context_and_completions_do() -> None:
+    # /generate sends every turn whole: the router keeps no copy of its contexts; WAR's
+    # /v1/completions may continue a trajectory, so its contexts are held
+    client, router, _, _ = make()
+    assert client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2},
+                       headers={"X-Trajectory-Id": "t"}).status_code == 200
+    assert router.held_context_tokens == 5 and "t" in router._contexts
+    r = client.post("/generate", json={"input_ids": [1, 2, 3, 4, 5, 6],
+                                       "sampling_params": {"max_new_tokens": 2}},
+                    headers={"X-Trajectory-Id": "t"})
+    assert r.status_code == 200
+    assert router.held_context_tokens == 0 and not router._contexts  # the stale copy went
+    batch = client.post("/generate", json={"input_ids": [[1, 2], [3, 4]]},
+                        headers={"X-Trajectory-Id": "u"})
+    assert batch.status_code == 200 and router.held_context_tokens == 0
+    # over the edge (the fast route) alike
+    a, b = Scripted("a"), Scripted("b")
+    edge_router = Router([a, b], FirstHealthy())
+    app = create_router_app(edge_router, manage_router=True)
+    with running(app, app.state.fast_routes) as (h, p, _), \
+            httpx.Client(base_url=f"http://{h}:{p}") as c:
+        for path, body in (("/generate", {"input_ids": [3, 4, 5]}),
+                           ("/v1/completions", {"prompt": [3, 4, 5], "max_tokens": 1})):
+            r = c.post(path, content=orjson.dumps(body), headers={"X-Trajectory-Id": path})
+            assert r.status_code == 200, r.text
+    assert list(edge_router._contexts) == ["/v1/completions"]

@@ -346,3 +346,29 @@ def test_views_follow_load_reports_and_health() -> None:
                          ReplicaView("b", False, 2, 70, None, None, 2)]
     r.replicas["a"].load = None
     assert r.views()[0] == ReplicaView("a")
+
+
+def test_turns_routed_without_hold_keep_no_context() -> None:
+    r, reps, _ = router("a", "b")
+
+    async def main() -> None:
+        await r.route(GenRequest("t1/0", tuple(range(10)), SP, trajectory_id="t1"))
+        assert r.held_context_tokens == 13  # 10 prompt tokens + 3 generated
+        # a whole turn routed without hold: nothing held, the earlier (now stale) copy gone
+        _, where = await r.route(GenRequest("t1/1", tuple(range(15)), SP, trajectory_id="t1"),
+                                 None, False)
+        assert r.held_context_tokens == 0 and "t1" not in r._contexts
+        assert r._homes["t1"] == where  # the trajectory's home is still known
+        assert r.stats.contexts_dropped == 0  # (dropped as stale, not for the bounds)
+        # its next turn may not send only new tokens if its replica fails: the client is
+        # asked for the whole context
+        reps[where].down = True
+        with pytest.raises(UnknownTrajectory):
+            await r.route(GenRequest("t1/2", (7,), SP, trajectory_id="t1", continues=True))
+        reps[where].down = False
+        # other trajectories are not touched; a trajectory without an id holds nothing
+        await r.route(GenRequest("t2/0", (1, 2), SP, trajectory_id="t2"))
+        await r.route(GenRequest("x", (1, 2), SP), None, False)
+        assert list(r._contexts) == ["t2"] and r.held_context_tokens == 5
+
+    asyncio.run(main())

@@ -59,7 +59,8 @@ class RouterConfig:
       trajectories alone does not bound the memory (about 36 bytes a token). A turn
       whose context was dropped still goes to its replica; only if that replica
       fails does its client get ``UnknownTrajectory`` (409 over HTTP) and resend the
-      whole context. Finished trajectories (``finish_trajectory``) free theirs at once.
+      whole context. Finished trajectories (``finish_trajectory``) free theirs at once,
+      and none is held for turns routed with ``hold=False`` (``route``).
     """
 
     max_attempts: int = 4
@@ -211,15 +212,21 @@ class Router:
         return result
 
     async def route(self, request: GenRequest,
-                    deliver: Callable[[GenResult, str], None] | None = None
-                    ) -> tuple[GenResult, str]:
+                    deliver: Callable[[GenResult, str], None] | None = None,
+                    hold: bool = True) -> tuple[GenResult, str]:
         """``generate``, and the name of the replica that served the request.
 
         ``deliver(result, replica)``, if given, is called as soon as the replica has
         answered, before the router's own bookkeeping (the policy's feedback, the
         trajectory's context, shared history), which then runs in the same step of the
         loop: a server answers its client first, so that the client goes on while the
-        router books the result. The bookkeeping runs even if ``deliver`` raises."""
+        router books the result. The bookkeeping runs even if ``deliver`` raises.
+
+        ``hold``: keep the trajectory's context after this turn, so that its next turn
+        may send only its new tokens (``continues``). A caller whose clients cannot
+        continue (SGLang's ``/generate`` sends every turn whole) passes False: nothing
+        is held for the turn (a context held from an earlier turn is dropped, being
+        out of date), which spares the router the memory of every context it serves."""
         self.stats.requests += 1
         full = self._full_prompt(request)
         attempts = 0
@@ -284,15 +291,18 @@ class Router:
                 if deliver is not None:
                     deliver(result, name)
             finally:
-                self._book(request, result, name, full)
+                self._book(request, result, name, full, hold)
             return result, name
 
     def _book(self, request: GenRequest, result: GenResult, name: str,
-              full: tuple[int, ...] | None) -> None:
+              full: tuple[int, ...] | None, hold: bool = True) -> None:
         """What the router keeps of a completed request: the policy's feedback, the
-        trajectory's context and home, and the response as shared history."""
+        trajectory's context (``hold``) and home, and the response as shared history."""
         self.policy.on_complete(request, result, name, self._clock())
-        self._remember(request, full, result)
+        if hold:
+            self._remember(request, full, result)
+        elif request.trajectory_id is not None and self._contexts:
+            self._drop_context(request.trajectory_id)
         if request.trajectory_id is not None:
             self._put_recent(self._homes, request.trajectory_id, name)
         if self.config.share_history and request.group_id is not None:

@@ -524,13 +524,14 @@ def build_generate_response(results: Sequence[GenResult], replicas: Sequence[str
     return out if batch else out[0]
 
 
-async def _generate_all(router: Router, requests: Sequence[GenRequest]
+async def _generate_all(router: Router, requests: Sequence[GenRequest], hold: bool = True
                         ) -> tuple[list[GenResult], list[str | None]]:
-    """Routes every request; if one fails, the others are cancelled."""
+    """Routes every request (``hold``: as ``Router.route``); if one fails, the others are
+    cancelled."""
     if len(requests) == 1:  # the common case: no task of its own
-        result, where = await router.route(requests[0])
+        result, where = await router.route(requests[0], None, hold)
         return [result], [where]
-    tasks = [asyncio.ensure_future(router.route(r)) for r in requests]
+    tasks = [asyncio.ensure_future(router.route(r, None, hold)) for r in requests]
     try:
         done = await asyncio.gather(*tasks)
     except BaseException:
@@ -664,6 +665,9 @@ def create_router_app(router: Router, api_key: str | None = None,
         t0 = time.perf_counter()
         status = 500
         answered = False
+        # SGLang's /generate cannot send a turn's new tokens alone: the router holds no
+        # contexts for its trajectories (``Router.route``'s ``hold``)
+        hold = parse is not parse_generate
         try:
             try:
                 reqs, render = parse(raw, headers)
@@ -675,9 +679,9 @@ def create_router_app(router: Router, api_key: str | None = None,
                         status, answered = 200, True
                         respond(200, payload)
 
-                    await router.route(reqs[0], deliver)
+                    await router.route(reqs[0], deliver, hold)
                     return None
-                work = _generate_all(router, reqs)
+                work = _generate_all(router, reqs, hold)
                 results, where = await (work if receive is None
                                         else unless_hung_up(receive, work))
             except UnknownTrajectory as e:  # the client resends the whole context
