@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from war import aio
+from war.cli.console import make_console
 
 if TYPE_CHECKING:  # the run's modules import torch: only when a command runs
     from war.engine.async_engine import AsyncEngine
@@ -107,7 +108,7 @@ def _run(cfg: RunConfig, quiet: bool, fresh: bool) -> int:
     from war.rollout.report import plot_timeline
     from war.rollout.run import builtin_policy
 
-    console = Console()
+    console = make_console()
     _earlier_run(cfg, console, fresh)
     model = cfg.model or str(builtin_policy())
     console.print(f"[bold]WAR rollout[/] {cfg.name}: {cfg.steps} steps x {cfg.tasks_per_step} "

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import TypeAlias
 
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from war import data
+from war.cli.console import make_console
 from war.spec import SpecConfig, SuffixSpeculator
 from war.spec.replay import MODES, ReplayReport, baseline_config, mode_config, replay_by_file
 from war.spec.traces import ORDERS, TraceSource, Trajectory, load_trajectories, ordered
@@ -78,7 +78,7 @@ def run_replay(args: argparse.Namespace) -> int:
     trajs = _trajectories(args)
     cfg = mode_config(args.mode)
     report = _replay(trajs, cfg)
-    console = Console()
+    console = make_console()
     console.print(report_table(report, title=f"suffix speculation replay ({args.mode})"))
     if args.json is not None:
         out = {"config": dataclasses.asdict(cfg), "order": args.order, **report.to_dict()}
@@ -89,7 +89,7 @@ def run_replay(args: argparse.Namespace) -> int:
 
 def run_demo(args: argparse.Namespace) -> int:
     trajs = _trajectories(args)
-    console = Console()
+    console = make_console()
     console.print(
         f"Replaying {len(trajs)} trajectories ({args.order}) through the suffix speculator: "
         "drafts verified against the recorded responses."

@@ -14,8 +14,9 @@ import json
 from pathlib import Path
 from typing import TypeAlias
 
-from rich.console import Console
 from rich.table import Table
+
+from war.cli.console import make_console
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
@@ -49,7 +50,7 @@ def add_train_policy_command(commands: Subparsers) -> None:
 def run_train_policy(args: argparse.Namespace) -> int:
     from war.train.policy import PolicyTrainConfig, evaluate_policy, train_policy
 
-    console = Console()
+    console = make_console()
     changes = {k: getattr(args, k) for k in ("steps", "tasks_per_env", "threads")
                if getattr(args, k) is not None}
     config = dataclasses.replace(PolicyTrainConfig(seed=args.seed), **changes)
