@@ -4,31 +4,19 @@ and WAR's own configuration run end to end on ``war serve`` replicas (slow)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-
-E2E = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e"
-
-
-def load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return load("bench_e2e", E2E / "bench_e2e.py")
+    return load_benchmark("e2e", "bench_e2e")
 
 
 def test_schedule_rotates_configurations_and_interleaves_loads(bench: ModuleType) -> None:
@@ -95,7 +83,7 @@ def test_bad_arguments_are_refused(bench: ModuleType, tmp_path: Path, argv: list
 
 
 def test_peer_fix_spreads_values_like_the_triton_kernel() -> None:
-    fix = load("vllm_cpu_expand_fix", E2E / "peer_fix" / "vllm_cpu_expand_fix.py")
+    fix = load_benchmark("e2e/peer_fix", "vllm_cpu_expand_fix")
     out = torch.full((6,), -5.0)
     fix.expand_kernel_impl(out, torch.tensor([0.7, -1.0, 0.3]), torch.tensor([2, 5, 5]),
                            -1.0, 1.0)

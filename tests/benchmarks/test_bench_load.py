@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_scripts import load_benchmark
 
 pytest.importorskip("war.spec._C", reason="native core war.spec._C is not built")
 
@@ -26,16 +26,11 @@ from war.engine.model_config import ModelConfig
 from war.spec.traces import IM_END, load_records, render
 from war.train.tokenizer import TokenizerConfig, save_tokenizer, train_tokenizer
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "engine" / "bench_load.py"
 SWEEP_KEYS = {"concurrency", "mode", "tokens_per_s", "tokens_per_step"}
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_load", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("engine", "bench_load")
 
 
 @pytest.fixture(scope="module")

@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_scripts import load_benchmark
 
 from war.backends import h1
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "router" / "bench_path_cpu.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_path_cpu", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("router", "bench_path_cpu")
 
 
 @pytest.mark.parametrize("api", ["sglang", "war"])

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_scripts import load_benchmark
 
 pytest.importorskip("war.spec._C", reason="native core war.spec._C is not built")
 
 from war import data
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "spec" / "bench_replay.py"
 KEYS = (
     "tokens_per_step",
     "acceptance_rate",
@@ -26,11 +25,7 @@ KEYS = (
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_replay", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("spec", "bench_replay")
 
 
 @pytest.mark.parametrize("mode", ["path", "tree"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import itertools
 import json
 import math
@@ -16,6 +15,7 @@ from types import ModuleType
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from bench_scripts import load_benchmark
 from fastapi.testclient import TestClient
 
 from war.router.bench import (
@@ -37,7 +37,6 @@ from war.router.bench import (
     targets,
 )
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "router" / "bench_router.py"
 RPS_KEYS = {"router", "policy", "rps", "affinity", "p50_ms", "p99_ms", "added_p50_ms",
             "added_p99_ms", "errors", "api", "vs_sglang_router", "concurrency"}
 POLICY_KEYS = {"policy", "prefix_hit_rate", "makespan_s", "migrations"}
@@ -45,11 +44,7 @@ UNPACED = {"step_ms": 0.0, "prefill_us": 0.0, "decode_us": 0.0}
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_router", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("router", "bench_router")
 
 
 def test_load_affinity_and_percentiles() -> None:
