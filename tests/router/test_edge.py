@@ -545,3 +545,23 @@ def test_a_fast_route_answering_twice_or_never_closes_the_connection() -> None:
             # the server goes on serving other connections
             assert b"HTTP/1.1 200" in raw(p, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
                                            wait_close=False)
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+@pytest.mark.parametrize("status", [200, 404, 499])
+def test_json_answers_are_the_bytes_of_their_head(keep_alive: bool, status: int) -> None:
+    from war.router.edge_wire import date_header, head, json_response
+
+    for body in (b"{}", b'{"x": "' + b"y" * 5000 + b'"}'):
+        for _ in range(3):  # (again if the second, and so the date header, turned between)
+            got = json_response(status, body, keep_alive)
+            want = head(status, [(b"content-type", b"application/json"),
+                                 (b"content-length", str(len(body)).encode())],
+                        keep_alive) + body
+            if got == want:
+                break
+        assert got == want
+        assert got.startswith(b"HTTP/1.1 %d " % status) and b"date: " + date_header() in got
+        assert (b"connection: close" in got) is not keep_alive
+    extra = json_response(status, b"{}", True, {"WWW-Authenticate": "Bearer"})
+    assert b"\r\nwww-authenticate: Bearer\r\n" in extra

@@ -11,6 +11,7 @@ import pytest
 from test_edge import running
 from test_router_server import KEY, FirstHealthy, Scripted, make
 
+from war.api import APIError
 from war.router.router import Router
 from war.router.server import GENERATE_MAX_NEW_TOKENS, create_router_app
 
@@ -186,3 +187,29 @@ def test_generate_holds_no_context_and_completions_do() -> None:
             r = c.post(path, content=orjson.dumps(body), headers={"X-Trajectory-Id": path})
             assert r.status_code == 200, r.text
     assert list(edge_router._contexts) == ["/v1/completions"]
+
+
+@pytest.mark.parametrize("params", [None, {}, {"max_new_tokens": 5, "temperature": 0.5,
+                                               "top_k": 3, "stop_token_ids": [2]}])
+def test_plain_bodies_read_as_the_general_checks_read_them(params: Any) -> None:
+    from war.router.server import build_generate_requests
+
+    headers = {"x-request-id": "q", "x-trajectory-id": "t", "x-group-id": "g",
+               "x-priority": "2.5"}
+    plain: dict[str, Any] = {"input_ids": [4, 5, 6]}
+    if params is not None:
+        plain["sampling_params"] = params
+    # return_logprob at its default takes the body past the plain reading
+    general = {**plain, "return_logprob": False}
+    assert build_generate_requests(plain, headers, (7,)) == \
+        build_generate_requests(general, headers, (7,))
+    (req,), batch, logprobs = build_generate_requests(plain, headers, (7,))
+    assert (req.request_id, req.prompt_ids, req.trajectory_id, req.group_id, req.priority,
+            batch, logprobs) == ("q", (4, 5, 6), "t", "g", 2.5, False, False)
+    # what the plain reading does not take goes through the general checks and messages
+    for bad, needle in (({"input_ids": [4, -1]}, "negative"),
+                        ({"input_ids": []}, "empty"),
+                        ({"input_ids": [4, 5], "sampling_params": {"top_k": 0}}, "top_k"),
+                        ({"input_ids": [4, 5], "sampling_params": [{}, {}]}, "2 entries")):
+        with pytest.raises(APIError, match=needle):
+            build_generate_requests(bad, headers, (7,))

@@ -87,7 +87,7 @@ class EdgeConfig:
             raise ValueError(f"max_queued must be >= 1, got {self.max_queued}")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Request:
     method: bytes
     raw_path: bytes
@@ -207,11 +207,13 @@ class _Connection(asyncio.Protocol):
         if self._refused or self.closing:  # nothing after a refusal or a close is answered
             return
         path, query = split_target(self._url)
-        request = _Request(
-            method=self.parser.get_method(), raw_path=path, query=query,
-            headers=self._headers, body=b"".join(self._body),
-            keep_alive=self.parser.should_keep_alive(),
-            http_version=self.parser.get_http_version())
+        parser = self.parser
+        body = self._body
+        request = _Request(  # (positional: method, path, query, headers, body, keep-alive,
+            # HTTP version)
+            parser.get_method(), path, query, self._headers,
+            body[0] if len(body) == 1 else b"".join(body), parser.should_keep_alive(),
+            parser.get_http_version())
         self.queue.append(request)
         if len(self.queue) >= self.edge.config.max_queued and not self.paused \
                 and self.transport is not None:

@@ -290,6 +290,7 @@ _GENERATE_FIELDS = frozenset({"input_ids", "sampling_params", "rid", "return_log
                               "priority", "text", "stream", "return_text_in_logprobs"})
 _GENERATE_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logprob_start_len": (None, -1), "top_logprobs_num": (None, 0)}
+_PLAIN_GENERATE = frozenset({"input_ids", "sampling_params"})
 _SAMPLING_FIELDS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop",
                               "stop_token_ids", "ignore_eos", "sampling_seed", "seed"})
 # settings that change nothing here (detokenization: the router returns no text) or are
@@ -434,6 +435,16 @@ def build_generate_requests(data: Any, headers: Mapping[str, str],
     Routing keys come from the headers (SGLang's body has none), ``rid`` names the
     request(s), ``priority`` is WAR's (higher first). Raises ``APIError`` (400) for
     what the router refuses."""
+    if type(data) is dict and data.keys() <= _PLAIN_GENERATE:
+        # the common body, one prompt of plain ids and its sampling object: what the
+        # checks below come to for it
+        ids = data.get("input_ids")
+        params = data.get("sampling_params")
+        if type(ids) is list and ids and type(params) is not list and plain_token_ids(ids):
+            sampling = _generate_sampling(params, eos_token_ids, False)
+            rid, trajectory_id, group_id, prio = _routing(headers, None, None, None, None)
+            return [GenRequest(rid, tuple(ids), sampling, trajectory_id, group_id, prio)], \
+                False, False
     if not isinstance(data, dict):
         raise APIError(400, "invalid request: the body must be a JSON object")
     if data.get("text") is not None:
