@@ -666,6 +666,9 @@ def test_vllm_priority_scheduling_and_malformed_answers() -> None:
     backend = openai_backend(fake_vllm("token_ids", seen), priority_scheduling=True)
     run(backend.generate(req("p", (3,), priority=4.4)))
     assert seen[0]["priority"] == -4  # vLLM: lower first
+    # the router sends the policy's priority only to servers that schedule by it
+    assert backend.takes_priority
+    assert not openai_backend(fake_vllm("token_ids", seen)).takes_priority
 
     app = FastAPI()
 

@@ -372,3 +372,22 @@ def test_turns_routed_without_hold_keep_no_context() -> None:
         assert list(r._contexts) == ["t2"] and r.held_context_tokens == 5
 
     asyncio.run(main())
+
+
+def test_the_policys_priority_goes_only_to_replicas_that_take_it() -> None:
+    reps = {"a": Echo("a"), "b": Echo("b")}
+    reps["b"].takes_priority = False  # type: ignore[attr-defined]  # (e.g. FCFS servers)
+    r = Router(reps, Sticky(), RouterConfig(), clock=lambda: 0.0)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        # Sticky sends new trajectories to the least busy replica with priority 7: a, then
+        # b while a's request is in flight
+        await asyncio.gather(
+            r.route(GenRequest("q0", (1, 2), SP, trajectory_id="t0", priority=1.0)),
+            r.route(GenRequest("q1", (1, 2), SP, trajectory_id="t1", priority=1.0)))
+
+    asyncio.run(main())
+    (to_a,), (to_b,) = reps["a"].requests, reps["b"].requests
+    assert to_a.priority == 7.0  # no attribute: the policy's priority is sent
+    assert to_b.priority == 1.0 and to_b == GenRequest("q1", (1, 2), SP, trajectory_id="t1",
+                                                       priority=1.0)

@@ -20,7 +20,12 @@ class ReplicaUnavailable(RuntimeError):
 class Backend(Protocol):
     """One replica. ``generate`` is idempotent by ``request.request_id`` as far as
     the caller is concerned: the router may send the same request to another
-    replica after this one failed."""
+    replica after this one failed.
+
+    A backend may also say ``takes_priority = False`` when it drops requests'
+    ``priority`` (a server scheduling first come, first served): the router then
+    sends requests to it as they came rather than with the policy's priority. Without
+    the attribute the priority is sent."""
 
     name: str
 

@@ -317,6 +317,11 @@ class OpenAICompatBackend:
 
     # ---- requests
 
+    @property
+    def takes_priority(self) -> bool:
+        """Whether calls carry requests' priority (``priority_scheduling``; ``Backend``)."""
+        return self.priority_scheduling
+
     def asks_logprobs(self, request: GenRequest) -> bool:
         """Whether the call for ``request`` asks the server for logprobs: when the
         request wants them, or while the server has not shown that its answers carry

@@ -95,10 +95,12 @@ class _Replica:
     report gives, worked out once per report rather than once per request)."""
 
     __slots__ = ("_load", "backend", "failures", "healthy", "load_view", "num_requests",
-                 "served", "tokens_in_flight")
+                 "served", "takes_priority", "tokens_in_flight")
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        # whether requests should carry the policy's priority to it (``Backend``)
+        self.takes_priority: bool = getattr(backend, "takes_priority", True)
         self.healthy = True
         self.num_requests = 0
         self.tokens_in_flight = 0
@@ -238,19 +240,20 @@ class Router:
                 raise NoReplicaAvailable(f"request {request.request_id}: no replica is up")
             decision = self.policy.select(request, healthy, self._clock())
             name = decision.replica
-            if name not in self.replicas or not self.replicas[name].healthy:
+            rep = self.replicas.get(name)
+            if rep is None or not rep.healthy:
                 raise RuntimeError(f"policy {self.policy.name} chose {name!r}, which is not a "
                                    "healthy replica")
             if decision.migrated:
                 self.stats.migrations += 1
             send = request
-            if decision.priority is not None:  # (positional: a third of replace()'s cost)
+            if decision.priority is not None and rep.takes_priority:
+                # (positional: a third of replace()'s cost)
                 send = GenRequest(send.request_id, send.prompt_ids, send.sampling,
                                   send.trajectory_id, send.group_id, decision.priority,
                                   send.continues)
             if (send.continues and (name in tried or decision.migrated)) and full is not None:
                 send = dataclasses.replace(send, prompt_ids=full, continues=False)
-            rep = self.replicas[name]
             size = len(full if full is not None else send.prompt_ids) + send.sampling.max_tokens
             rep.num_requests += 1
             rep.tokens_in_flight += size
