@@ -37,9 +37,10 @@ from war import aio
 from war.backends import h1
 from war.cli.route import build_router
 from war.engine.bench import machine_info
-from war.router.bench import POLICIES, build_load
+from war.router.bench import POLICIES, build_load, sglang_answer
 from war.router.edge import FastRoute
-from war.router.server import create_router_app
+from war.router.server import build_response, create_router_app
+from war.types import GenResult
 
 API_PATHS = {"sglang": "/generate", "war": "/v1/completions"}
 WINDOW = 500
@@ -50,25 +51,21 @@ async def instant_answer(self: h1.Pool, method: str, target: str, *, body: bytes
                          headers: tuple[tuple[str, str], ...] = (), timeout_s: float,
                          connect_timeout_s: float) -> h1.Response:
     """Stands in for ``h1.Pool.request``: the answer an instant replica gives (its
-    first 8 prompt tokens back), in SGLang's or WAR's shape."""
+    first prompt tokens back, as many as asked), in SGLang's or WAR's shape (the
+    instant replica's own: ``sglang_answer``, ``build_response``)."""
     data = orjson.loads(body) if body else {}
+    answer: Any
     if target.endswith("/generate"):
-        ids = data["input_ids"]
-        out = ids[:data["sampling_params"]["max_new_tokens"]]
-        answer: Any = {"text": "", "output_ids": out, "meta_info": {
-            "id": f"r-{next(_answers)}", "prompt_tokens": len(ids),
-            "completion_tokens": len(out), "cached_tokens": 0,
-            "finish_reason": {"type": "length"}}}
+        ids, limit = data["input_ids"], data["sampling_params"]["max_new_tokens"]
     elif target.endswith("/v1/completions"):
-        ids = data["prompt"]
-        out = ids[:data["max_tokens"]]
-        answer = {"id": f"r-{next(_answers)}", "object": "text_completion", "model": "war",
-                  "choices": [{"index": 0, "text": "", "token_ids": out, "logprobs": None,
-                               "finish_reason": "length"}],
-                  "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out),
-                            "total_tokens": len(ids) + len(out)}}
+        ids, limit = data["prompt"], data["max_tokens"]
     else:
-        answer = {"status": "ok"}
+        return h1.Response(200, "OK", b'{"status":"ok"}')
+    result = GenResult(f"r-{next(_answers)}", tuple(ids[:limit]), (), "length", len(ids))
+    if target.endswith("/generate"):
+        answer = sglang_answer(result)
+    else:
+        answer = build_response(result.request_id, "war", [result], ["stand-in"], False)
     return h1.Response(200, "OK", orjson.dumps(answer))
 
 

@@ -123,6 +123,15 @@ def _json(payload: Any) -> Response:
     return Response(orjson.dumps(payload), media_type="application/json")
 
 
+def sglang_answer(result: GenResult) -> dict[str, Any]:
+    """What an SGLang server's ``/generate`` answers for ``result`` (the instant
+    replica's answer)."""
+    return {"text": "", "output_ids": list(result.output_ids), "meta_info": {
+        "id": result.request_id, "prompt_tokens": result.num_prompt_tokens,
+        "completion_tokens": len(result.output_ids), "cached_tokens": 0,
+        "finish_reason": {"type": result.finish_reason}}}
+
+
 def instant_replica_app(name: str, max_output_tokens: int = 8) -> FastAPI:
     """A replica that answers at once (``InstantBackend``: the prompt echoed) over HTTP:
     WAR's ``/v1/completions``, ``/v1/load``, ``/v1/history`` and ``/health``, and the
@@ -156,11 +165,7 @@ def instant_replica_app(name: str, max_output_tokens: int = 8) -> FastAPI:
         body = orjson.loads(await request.body())
         params = body.get("sampling_params") or {}
         req = request_of(body["input_ids"], params.get("max_new_tokens") or 16, (), False)
-        result = await backend.generate(req)
-        return _json({"text": "", "output_ids": list(result.output_ids), "meta_info": {
-            "id": req.request_id, "prompt_tokens": result.num_prompt_tokens,
-            "completion_tokens": len(result.output_ids), "cached_tokens": 0,
-            "finish_reason": {"type": result.finish_reason}}})
+        return _json(sglang_answer(await backend.generate(req)))
 
     @app.get("/health")
     async def health() -> dict[str, str]:
