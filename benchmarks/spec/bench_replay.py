@@ -107,7 +107,8 @@ def summary(args: argparse.Namespace, n: int, r: ReplayReport, base: ReplayRepor
         f"tokens/step {r.tokens_per_step:.3f}, acceptance {r.acceptance_rate:.3f}, "
         f"draft {r.mean_draft_len:.2f}, propose {r.propose_us_p50:.1f} us "
         f"(b{r.batch_size} {r.propose_us_p50_batched:.2f} us/seq), "
-        f"append {r.append_us_p50:.1f} us, turn start {r.turn_start_us_p50:.0f} us, "
+        f"append {r.append_us_p50:.1f} us, response end {r.response_end_us_p50:.0f} us, "
+        f"turn start {r.turn_start_us_p50:.0f} us, "
         f"{r.bytes_per_cached_token:.0f} B/token"
     )
     if base is not None:

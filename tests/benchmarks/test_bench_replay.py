@@ -19,6 +19,7 @@ KEYS = (
     "mean_draft_len",
     "propose_us_p50_batched64",
     "append_us_p50",
+    "response_end_us_p50",
     "turn_start_us_p50",
     "bytes_per_cached_token",
 )

@@ -49,6 +49,9 @@ class FakeSpeculator:
     def extend(self, seq_id: int, token_ids: Sequence[int]) -> None:
         self.calls.append(("extend", seq_id, tuple(token_ids)))
 
+    def end_response(self, seq_id: int) -> None:
+        self.calls.append(("end_response", seq_id))
+
     def new_turn(self, seq_id: int, new_prompt_ids: TokenArray) -> None:
         self.calls.append(("new_turn", seq_id, tuple(new_prompt_ids.tolist())))
 
@@ -157,9 +160,11 @@ def test_sequential_calls_and_accounting() -> None:
         ("start", 0, (1, 2), "t"),
         ("extend", 0, (10, 11, 12)),
         ("extend", 0, (13, 14)),
+        ("end_response", 0),
         ("new_turn", 0, (3,)),
         ("extend", 0, (20,)),
         ("extend", 0, (21,)),
+        ("end_response", 0),
         ("finish", 0),
     ]
     assert [c for c in fakes[0].calls if c[0] == "propose"] == [("propose", (0,), 7)] * 4
@@ -181,7 +186,10 @@ def test_sequential_calls_and_accounting() -> None:
     assert report.tokens_per_step_batched == 7 / 4
     assert report.acceptance_rate_batched == 5 / 10
     assert report.mean_batch == 1.0
-    for name in ("propose_us_p50", "append_us_p99", "turn_start_us_p50", "finish_us_p50"):
+    for name in (
+        "propose_us_p50", "append_us_p99", "response_end_us_p50", "turn_start_us_p50",
+        "finish_us_p50",
+    ):
         assert getattr(report, name) > 0.0
 
 
@@ -208,6 +216,8 @@ def test_batched_pass_is_lockstep_in_groups() -> None:
     ]
     assert batched[:2] == [("start", 0, (1,), "a"), ("start", 1, (1,), "b")]
     assert ("new_turn", 1, (2,)) in batched
+    i = batched.index(("new_turn", 1, (2,)))
+    assert ("end_response", 1) in batched[:i]  # the response ended before the next turn
     # "a" trial 1 is the task's second trajectory: RL step 1, announced before its start
     i = batched.index(("observe_step", 1))
     assert batched[i + 1] == ("start", 2, (1,), "a")

@@ -66,6 +66,29 @@ def test_multi_turn_appends_only_new_tokens() -> None:
     assert s.history_tokens == 2 + 2
 
 
+def test_end_response_commits_once_and_new_turn_only_appends() -> None:
+    s, t = spec(), spec()  # s ends its response explicitly, t leaves it to new_turn
+    for x in (s, t):
+        x.start(1, [1, 2, 3], group_id="a")
+        x.extend(1, [4, 5])
+    s.end_response(1)
+    # The response is in the history before the next turn arrives...
+    assert (s.num_history_entries, s.history_tokens) == (1, 2 + 2)
+    s.start(2, [9, 3], group_id="a")
+    assert s.propose([2])[0].source == "group"
+    s.finish(2, commit=False)
+    s.end_response(1)  # ...once: nothing new was generated since
+    assert (s.num_history_entries, s.history_tokens) == (1, 4)
+    s.new_turn(1, [6, 7])  # appends only
+    t.new_turn(1, [6, 7])  # commits, then appends
+    for x in (s, t):
+        x.extend(1, [8])
+        x.end_response(1)
+        x.finish(1)  # nothing left to commit
+    assert (s.num_history_entries, s.history_tokens) == (2, 4 + 2 + 1)
+    assert snapshot(s)[1:3] == snapshot(t)[1:3]
+
+
 def test_group_history_is_preferred_and_scoped() -> None:
     s = spec()
     # Task A answered "x y z", task B "p q r" after the same context.
@@ -277,6 +300,7 @@ def test_bad_ids_and_budgets_change_nothing() -> None:
         (lambda: s.start(1, [1]), "already started"),
         (lambda: s.extend(7, [1]), "unknown sequence id 7"),
         (lambda: s.new_turn(7, [1]), "unknown sequence id 7"),
+        (lambda: s.end_response(7), "unknown sequence id 7"),
         (lambda: s.finish(7), "unknown sequence id 7"),
         (lambda: s.propose([1, 7]), "unknown sequence id 7"),
         (lambda: s.propose([1, 1]), "twice"),

@@ -120,6 +120,7 @@ def configs_table(reports: Mapping[str, ReplayReport]) -> Table:
         ("propose", lambda r: f"{r.propose_us_p50:.1f}"),
         (f"b{batch}/seq", lambda r: f"{r.propose_us_p50_batched:.2f}"),
         ("extend", lambda r: f"{r.append_us_p50:.1f}"),
+        ("end", lambda r: f"{r.response_end_us_p50:.0f}"),
         ("turn", lambda r: f"{r.turn_start_us_p50:.0f}"),
         ("B/tok", lambda r: f"{r.bytes_per_cached_token:.0f}"),
     ]
@@ -130,8 +131,9 @@ def configs_table(reports: Mapping[str, ReplayReport]) -> Table:
         table.add_row(config, *(fmt(r) for _, fmt in columns))
     table.caption = (
         "tok/step: generated tokens per decoding step; accept: accepted / proposed draft "
-        "tokens; draft: mean draft tokens per step; propose, extend, turn "
-        f"(new_turn): p50 µs per call; b{batch}/seq: p50 µs per sequence of a batched "
+        "tokens; draft: mean draft tokens per step; propose, extend, end "
+        "(end_response: the response enters the history), turn (new_turn: the next "
+        f"prompt's new tokens): p50 µs per call; b{batch}/seq: p50 µs per sequence of a batched "
         "propose call; B/tok: memory bytes per cached token"
     )
     return table
@@ -160,6 +162,10 @@ def report_table(report: ReplayReport, title: str) -> Table:
         ),
         ("full batches / mean batch", f"{r.num_full_batch_calls} / {r.mean_batch:.1f}"),
         ("append µs p50 / p99", f"{r.append_us_p50:.1f} / {r.append_us_p99:.1f}"),
+        (
+            "response end µs p50 / p99",
+            f"{r.response_end_us_p50:.1f} / {r.response_end_us_p99:.1f}",
+        ),
         ("turn start µs p50 / p99", f"{r.turn_start_us_p50:.1f} / {r.turn_start_us_p99:.1f}"),
         ("finish µs p50 / p99", f"{r.finish_us_p50:.1f} / {r.finish_us_p99:.1f}"),
         ("bytes per cached token", f"{r.bytes_per_cached_token:.1f}"),

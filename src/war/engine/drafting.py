@@ -79,7 +79,7 @@ class TrajectoryDrafts:
             if trajectory_id is not None and self._named.get(trajectory_id) == sid:
                 del self._named[trajectory_id]
             return
-        self.spec.new_turn(sid, [])  # commits the response; the next turn appends
+        self.spec.end_response(sid)  # into the history now; the next turn appends
         self._idle[trajectory_id] = sid
         while len(self._idle) > self.max_idle:
             old_traj, old_sid = self._idle.popitem(last=False)

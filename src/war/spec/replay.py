@@ -4,8 +4,9 @@ The harness plays an inference engine whose target model always emits the record
 response. Each decoding step asks the speculator for a draft (`propose`), verifies it
 against the real continuation, emits the accepted draft tokens plus one bonus token (the
 target model's own next token; none once the response is complete), and feeds them back
-(`extend`). Between turns it hands over the next prompt delta (`new_turn`); at the end of
-a trajectory it calls `finish`, which moves the last response into history.
+(`extend`). When a response is complete it says so (`end_response`: the response enters
+the history, as an engine does when a turn's generation stops); the next turn then hands
+over only its prompt delta (`new_turn`), and the end of a trajectory calls `finish`.
 
 A trajectory's RL step is the number of trajectories of the same task before it in the
 replay order (in trial-major order: its round); the speculator is told with
@@ -14,7 +15,8 @@ replay order (in trial-major order: its round); the speculator is told with
 Two passes over the same trajectories, each with a fresh speculator:
 
 * sequential: one trajectory at a time, one sequence per `propose` call; gives the
-  acceptance metrics and the latency of single calls, `extend`, `new_turn`, `finish`,
+  acceptance metrics and the latency of single calls, `extend`, `end_response`,
+  `new_turn` (a turn's start), `finish`,
   and memory per cached token at the end;
 * batched: `batch_size` trajectories at a time in lockstep, one `propose` call per engine
   step for every live sequence; gives the latency per sequence of batched calls (call
@@ -73,6 +75,7 @@ class Speculator(Protocol):
         self, seq_id: int, prompt_ids: TokenArray, /, group_id: Hashable | None = None
     ) -> None: ...
     def extend(self, seq_id: int, token_ids: Sequence[int], /) -> None: ...
+    def end_response(self, seq_id: int, /) -> None: ...
     def new_turn(self, seq_id: int, new_prompt_ids: TokenArray, /) -> None: ...
     def finish(self, seq_id: int, /) -> None: ...
     def observe_step(self, rl_step: int, /) -> None: ...
@@ -193,6 +196,9 @@ def _sequential(trajs: Sequence[Trajectory], spec: Speculator, budget: int | Non
             rec.source_accepted[draft.source] += n
             if not cur.turn_done:
                 continue
+            t0 = clock()
+            spec.end_response(seq_id)
+            rec.response_end_ns.append(clock() - t0)
             prompt = cur.next_turn()
             t0 = clock()
             if prompt is None:
@@ -240,6 +246,7 @@ def _batched(
                 rec.batched_proposed += len(draft.token_ids)
                 rec.batched_accepted += n
                 if cur.turn_done:
+                    spec.end_response(cur.seq_id)
                     prompt = cur.next_turn()
                     if prompt is None:
                         spec.finish(cur.seq_id)

@@ -40,7 +40,9 @@ class ReplayReport:
     propose_us_p99: float
     append_us_p50: float  # extend
     append_us_p99: float
-    turn_start_us_p50: float  # new_turn
+    response_end_us_p50: float  # end_response: the response enters the history
+    response_end_us_p99: float
+    turn_start_us_p50: float  # new_turn: the next prompt's new tokens appended
     turn_start_us_p99: float
     finish_us_p50: float
     finish_us_p99: float
@@ -86,6 +88,7 @@ def ratios(report: ReplayReport, baseline: ReplayReport) -> dict[str, float | No
         "propose_us_p50",
         "propose_us_p50_batched",
         "append_us_p50",
+        "response_end_us_p50",
         "turn_start_us_p50",
         "bytes_per_cached_token",
         "tokens_per_step_batched",
@@ -113,6 +116,7 @@ class Recorder:
     source_accepted: Counter[str] = field(default_factory=Counter)
     propose_ns: list[int] = field(default_factory=list)
     append_ns: list[int] = field(default_factory=list)
+    response_end_ns: list[int] = field(default_factory=list)
     turn_start_ns: list[int] = field(default_factory=list)
     finish_ns: list[int] = field(default_factory=list)
     memory_bytes: int = 0
@@ -163,6 +167,8 @@ class Recorder:
             propose_us_p99=_us(self.propose_ns, 99),
             append_us_p50=_us(self.append_ns, 50),
             append_us_p99=_us(self.append_ns, 99),
+            response_end_us_p50=_us(self.response_end_ns, 50),
+            response_end_us_p99=_us(self.response_end_ns, 99),
             turn_start_us_p50=_us(self.turn_start_ns, 50),
             turn_start_us_p99=_us(self.turn_start_ns, 99),
             finish_us_p50=_us(self.finish_ns, 50),

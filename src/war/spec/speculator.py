@@ -63,9 +63,11 @@ class SuffixSpeculator:
     """Proposes drafts for in-flight trajectories from suffix trees.
 
     Lifecycle of a trajectory: ``start`` (first prompt) -> ``extend`` (tokens
-    the model generated) -> ``new_turn`` (response done; tool output and the next
-    chat header appended) -> ... -> ``finish``. Completed responses enter the
-    history of the trajectory's group and of everyone.
+    the model generated) -> ``end_response`` (the response is complete: it enters
+    the history) -> ``new_turn`` (tool output and the next chat header appended)
+    -> ... -> ``finish``. Completed responses enter the history of the
+    trajectory's group and of everyone; ``new_turn`` and ``finish`` commit a
+    response that ``end_response`` was not called for.
     """
 
     def __init__(self, config: SpecConfig | None = None) -> None:
@@ -107,8 +109,16 @@ class SuffixSpeculator:
         traj = self._traj(seq_id)
         traj.tree.native.append(_LOCAL_ID, as_tokens(token_ids))
 
+    def end_response(self, seq_id: int) -> None:
+        """The current response is complete: it enters the history now, so that
+        other trajectories draft from it while this one waits for its tool call.
+        Calling it again before more tokens are generated adds nothing. Mutates.
+        """
+        self._commit(self._traj(seq_id))
+
     def new_turn(self, seq_id: int, new_prompt_ids: TokensLike) -> None:
-        """Ends the current response and appends the next turn's new prompt tokens.
+        """Appends the next turn's new prompt tokens (ending the current response
+        first, as ``end_response`` does, if that was not called).
 
         Only the new tokens (tool output, user message, chat template) are sent:
         the trajectory's tree already holds everything before them. Mutates.
