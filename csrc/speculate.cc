@@ -144,6 +144,24 @@ void SuffixTree::offer(Position at, int32_t k, int32_t limit, const SpecParams& 
   }
 }
 
+bool SuffixTree::cannot_beat(Position at, int32_t depth, int32_t limit, const SpecParams& p,
+                             double bar) const {
+  const Node* cur = at.node;
+  double first;
+  if (at.offset < len(cur)) {
+    first = static_cast<double>(cur->count) / (static_cast<double>(cur->count) + p.alpha[depth]);
+  } else if (!cur->children.empty()) {
+    first = static_cast<double>(cur->children[0].count) /
+            (static_cast<double>(cur->child_sum) + p.alpha[depth]);
+  } else {
+    return true;  // nothing follows: the empty draft
+  }
+  if (first < p.min_prob) return true;  // the first token is cut: the empty draft
+  // A draft's score is a sum of at most `limit` terms, each <= first; the slack
+  // covers the rounding of that sum, so a draft skipped here could not have won.
+  return static_cast<double>(limit) * first * (1.0 + 1e-9) <= bar;
+}
+
 void SuffixTree::speculate_into(const int32_t* ctx, size_t n, const SpecParams& p,
                                 DraftResult* best, double bar) const {
   reset(best);
@@ -155,6 +173,7 @@ void SuffixTree::speculate_into(const int32_t* ctx, size_t n, const SpecParams& 
     if (static_cast<double>(limit) <= std::max(best->score, bar)) break;
     Position at;
     walk(ctx + n - k, static_cast<size_t>(k), &at);
+    if (cannot_beat(at, k, limit, p, std::max(best->score, bar))) continue;
     offer(at, k, limit, p, best);
   }
 }
@@ -183,8 +202,9 @@ void SuffixTree::speculate_self_into(int64_t seq_id, const SpecParams& p, DraftR
     const int32_t limit = limit_for(k, p);
     if (static_cast<double>(limit) <= std::max(best->score, bar)) break;
     Node* node = s.active[k];
-    if (node->children.empty()) continue;  // every occurrence ends here
-    offer(Position{node, len(node)}, k, limit, p, best);
+    const Position at{node, len(node)};
+    if (cannot_beat(at, k, limit, p, std::max(best->score, bar))) continue;  // e.g. nothing follows
+    offer(at, k, limit, p, best);
   }
 }
 

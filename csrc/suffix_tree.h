@@ -197,6 +197,11 @@ class SuffixTree {
                   DraftResult* out) const;
   // Drafts from a match of length k and keeps the draft in `best` if it scores higher.
   void offer(Position at, int32_t k, int32_t limit, const SpecParams& p, DraftResult* best) const;
+  // Whether a draft of at most `limit` tokens from `at` (trie depth `depth`) cannot
+  // score above `bar`: each of its tokens has a cumulative probability no higher
+  // than the first token's (the best child; later factors are <= 1).
+  bool cannot_beat(Position at, int32_t depth, int32_t limit, const SpecParams& p,
+                   double bar) const;
   void draft_path(Position start, int32_t depth, int32_t limit, const SpecParams& p,
                   DraftResult* out) const;
   void draft_tree(Position start, int32_t depth, int32_t limit, const SpecParams& p,
