@@ -16,6 +16,17 @@ int32_t SuffixTree::limit_for(int32_t k, const SpecParams& p) const {
   return static_cast<int32_t>(x);
 }
 
+namespace {
+// The conditional probability of the next token (docs: section 2) inside a node's
+// label (the node's own occurrences all continue with it) and at a child.
+inline double label_prob(const Node* n, const SpecParams& p, int32_t depth) {
+  return static_cast<double>(n->count) / (static_cast<double>(n->count) + p.alpha[depth]);
+}
+inline double child_prob(const Node* parent, const Child& c, const SpecParams& p, int32_t depth) {
+  return static_cast<double>(c.count) / (static_cast<double>(parent->child_sum) + p.alpha[depth]);
+}
+}  // namespace
+
 void SuffixTree::draft_path(Position at, int32_t depth, int32_t limit, const SpecParams& p,
                             DraftResult* out) const {
   Node* cur = at.node;
@@ -27,14 +38,13 @@ void SuffixTree::draft_path(Position at, int32_t depth, int32_t limit, const Spe
     double prob;
     if (off < len(cur)) {
       token = label(cur)[off];
-      prob = static_cast<double>(cur->count) / (static_cast<double>(cur->count) + p.alpha[depth]);
+      prob = label_prob(cur, p, depth);
       ++off;
     } else {
       if (cur->children.empty()) break;
       const Child& c = cur->children[0];
       token = c.token;
-      prob =
-          static_cast<double>(c.count) / (static_cast<double>(cur->child_sum) + p.alpha[depth]);
+      prob = child_prob(cur, c, p, depth);
       cur = c.node;
       off = 1;
     }
@@ -83,15 +93,11 @@ void SuffixTree::draft_tree(Position at, int32_t depth, int32_t limit, const Spe
   uint64_t order = 0;
   auto push_first = [&](Node* cur, int32_t off, int32_t d, double p_here, int32_t parent) {
     if (off < len(cur)) {
-      const double prob =
-          static_cast<double>(cur->count) / (static_cast<double>(cur->count) + p.alpha[d]);
-      const double pc = p_here * prob;
+      const double pc = p_here * label_prob(cur, p, d);
       if (pc >= p.min_prob) heap.push({pc, order++, cur, off + 1, parent, d + 1, p_here});
     } else if (!cur->children.empty()) {
       const Child& c = cur->children[0];
-      const double prob =
-          static_cast<double>(c.count) / (static_cast<double>(cur->child_sum) + p.alpha[d]);
-      const double pc = p_here * prob;
+      const double pc = p_here * child_prob(cur, c, p, d);
       if (pc >= p.min_prob) heap.push({pc, order++, c.node, 1, parent, d + 1, p_here});
     }
   };
@@ -108,9 +114,7 @@ void SuffixTree::draft_tree(Position at, int32_t depth, int32_t limit, const Spe
       const Node* u = x.node->parent;
       if (x.node->pos + 1 < u->children.size()) {
         const Child& s = u->children[x.node->pos + 1];
-        const double prob = static_cast<double>(s.count) /
-                            (static_cast<double>(u->child_sum) + p.alpha[x.depth - 1]);
-        const double pc = x.p_cum_up * prob;
+        const double pc = x.p_cum_up * child_prob(u, s, p, x.depth - 1);
         if (pc >= p.min_prob) heap.push({pc, order++, s.node, 1, x.parent, x.depth, x.p_cum_up});
       }
     }
@@ -149,10 +153,9 @@ bool SuffixTree::cannot_beat(Position at, int32_t depth, int32_t limit, const Sp
   const Node* cur = at.node;
   double first;
   if (at.offset < len(cur)) {
-    first = static_cast<double>(cur->count) / (static_cast<double>(cur->count) + p.alpha[depth]);
+    first = label_prob(cur, p, depth);
   } else if (!cur->children.empty()) {
-    first = static_cast<double>(cur->children[0].count) /
-            (static_cast<double>(cur->child_sum) + p.alpha[depth]);
+    first = child_prob(cur, cur->children[0], p, depth);
   } else {
     return true;  // nothing follows: the empty draft
   }
