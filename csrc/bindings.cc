@@ -7,6 +7,9 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
+#include <initializer_list>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -26,6 +29,21 @@ nb::ndarray<nb::numpy, T, nb::ndim<1>> to_numpy(std::vector<T>&& v) {
   auto* heap = new std::vector<T>(std::move(v));
   nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
   return nb::ndarray<nb::numpy, T, nb::ndim<1>>(heap->data(), {heap->size()}, owner);
+}
+
+// The vectors' elements one after the other in a new bytearray.
+template <typename T>
+nb::object packed(std::initializer_list<const std::vector<T>*> parts) {
+  size_t total = 0;
+  for (const auto* v : parts) total += v->size() * sizeof(T);
+  PyObject* b = PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(total));
+  if (b == nullptr) throw nb::python_error();
+  char* out = PyByteArray_AS_STRING(b);
+  for (const auto* v : parts) {
+    if (!v->empty()) std::memcpy(out, v->data(), v->size() * sizeof(T));
+    out += v->size() * sizeof(T);
+  }
+  return nb::steal(b);
 }
 
 using Alpha = nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
@@ -55,6 +73,70 @@ nb::tuple draft_tuple(war::DraftResult&& d) {
                         to_numpy(std::move(d.probs)), score, match_len);
 }
 
+// Owns a new reference; throws nb::python_error when the C API returned NULL.
+nb::object checked(PyObject* o) {
+  if (o == nullptr) throw nb::python_error();
+  return nb::steal(o);
+}
+
+// Drafts (instances of `draft_type`, whose slots are `fields`: token_ids, parents,
+// probs, score, source, match_len) from propose_batch's bytearrays. Instances are
+// made as object.__new__ and object.__setattr__ make them (the type must have no
+// __post_init__): the dataclass's own __init__ costs microseconds per draft.
+nb::list make_drafts(nb::handle draft_type, nb::tuple fields, nb::tuple source_names,
+                     nb::handle b64, nb::handle b32, nb::handle bf64, nb::handle b8) {
+  if (!PyType_Check(draft_type.ptr()) || fields.size() != 6)
+    throw std::invalid_argument("make_drafts: a type and its six field names expected");
+  for (nb::handle h : {b64, b32, bf64, b8})
+    if (!PyByteArray_Check(h.ptr())) throw std::invalid_argument("make_drafts: bytearrays expected");
+  auto size = [](nb::handle h) { return static_cast<size_t>(PyByteArray_GET_SIZE(h.ptr())); };
+  const size_t n_off = size(b64) / sizeof(int64_t);
+  if (n_off == 0 || size(b64) % sizeof(int64_t) != 0)
+    throw std::invalid_argument("make_drafts: no offsets");
+  const size_t n = n_off - 1;
+  const auto* offsets = reinterpret_cast<const int64_t*>(PyByteArray_AS_STRING(b64.ptr()));
+  const int64_t total = offsets[n];
+  if (offsets[0] != 0 || total < 0 ||
+      size(b32) != (2 * static_cast<size_t>(total) + n) * sizeof(int32_t) ||
+      size(bf64) != (static_cast<size_t>(total) + n) * sizeof(double) || size(b8) != n)
+    throw std::invalid_argument("make_drafts: buffer sizes disagree");
+  for (size_t i = 0; i < n; ++i)
+    if (offsets[i + 1] < offsets[i]) throw std::invalid_argument("make_drafts: offsets decrease");
+  const auto* i32 = reinterpret_cast<const int32_t*>(PyByteArray_AS_STRING(b32.ptr()));
+  const int32_t* tokens = i32;
+  const int32_t* parents = i32 + total;
+  const int32_t* match_lens = i32 + 2 * total;
+  const auto* f64 = reinterpret_cast<const double*>(PyByteArray_AS_STRING(bf64.ptr()));
+  const double* probs = f64;
+  const double* scores = f64 + total;
+  const auto* sources = reinterpret_cast<const int8_t*>(PyByteArray_AS_STRING(b8.ptr()));
+  auto* type = reinterpret_cast<PyTypeObject*>(draft_type.ptr());
+  nb::tuple no_args = nb::make_tuple();
+  nb::list out;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t a = offsets[i], b = offsets[i + 1];
+    if (sources[i] < 0 || static_cast<size_t>(sources[i]) >= source_names.size())
+      throw std::invalid_argument("make_drafts: unknown source");
+    nb::object tok = checked(PyTuple_New(b - a));
+    nb::object par = checked(PyTuple_New(b - a));
+    nb::object pro = checked(PyTuple_New(b - a));
+    for (int64_t j = a; j < b; ++j) {
+      PyTuple_SET_ITEM(tok.ptr(), j - a, checked(PyLong_FromLong(tokens[j])).release().ptr());
+      PyTuple_SET_ITEM(par.ptr(), j - a, checked(PyLong_FromLong(parents[j])).release().ptr());
+      PyTuple_SET_ITEM(pro.ptr(), j - a, checked(PyFloat_FromDouble(probs[j])).release().ptr());
+    }
+    nb::object values[6] = {tok, par, pro, checked(PyFloat_FromDouble(scores[i])),
+                            nb::borrow(source_names[static_cast<size_t>(sources[i])]),
+                            checked(PyLong_FromLong(match_lens[i]))};
+    nb::object d = checked(type->tp_new(type, no_args.ptr(), nullptr));
+    for (size_t f = 0; f < 6; ++f)
+      if (PyObject_GenericSetAttr(d.ptr(), fields[f].ptr(), values[f].ptr()) != 0)
+        throw nb::python_error();
+    out.append(d);
+  }
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -69,6 +151,35 @@ NB_MODULE(_C, m) {
       .def("append",
            [](war::SuffixTree& t, int64_t seq_id, Tokens tokens) {
              t.append(seq_id, tokens.data(), tokens.shape(0));
+           },
+           "seq_id"_a, "tokens"_a)
+      // A list of Python ints, read without a NumPy array: the few tokens of a
+      // decoding step cost less this way. Returns false, having appended nothing,
+      // when an item is not an int (bools included) in [0, 2**31 - 1]; the caller
+      // then takes the validating path, which names the problem.
+      .def("append_list",
+           [](war::SuffixTree& t, int64_t seq_id, nb::handle tokens) {
+             PyObject* list = tokens.ptr();
+             if (!PyList_CheckExact(list)) return false;
+             const Py_ssize_t n = PyList_GET_SIZE(list);
+             int32_t small[64];
+             std::vector<int32_t> large;
+             int32_t* buf = small;
+             if (n > 64) {
+               large.resize(static_cast<size_t>(n));
+               buf = large.data();
+             }
+             for (Py_ssize_t i = 0; i < n; ++i) {
+               PyObject* item = PyList_GET_ITEM(list, i);
+               if (!PyLong_CheckExact(item)) return false;
+               int overflow = 0;
+               const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+               if (overflow != 0 || v < 0 || v > std::numeric_limits<int32_t>::max())
+                 return false;
+               buf[i] = static_cast<int32_t>(v);
+             }
+             t.append(seq_id, buf, static_cast<size_t>(n));
+             return true;
            },
            "seq_id"_a, "tokens"_a)
       .def("append_from", &war::SuffixTree::append_from, "seq_id"_a, "other"_a, "other_id"_a,
@@ -123,6 +234,9 @@ NB_MODULE(_C, m) {
            "alpha"_a)
       .def("check_integrity", &war::SuffixTree::check_integrity);
 
+  m.def("make_drafts", &make_drafts, "draft_type"_a, "fields"_a, "source_names"_a, "b64"_a,
+        "b32"_a, "bf64"_a, "b8"_a);
+
   m.def(
       "propose_batch",
       [](const std::vector<const war::SuffixTree*>& locals, Ids seq_ids,
@@ -155,10 +269,10 @@ NB_MODULE(_C, m) {
           nb::gil_scoped_release release;
           war::propose_batch(items, global, params, group_weight, mp, &r);
         }
-        return nb::make_tuple(to_numpy(std::move(r.tokens)), to_numpy(std::move(r.parents)),
-                              to_numpy(std::move(r.probs)), to_numpy(std::move(r.offsets)),
-                              to_numpy(std::move(r.scores)), to_numpy(std::move(r.sources)),
-                              to_numpy(std::move(r.match_lens)));
+        // One bytearray per dtype, which the caller views as arrays: a NumPy array
+        // made here costs microseconds each, most of a small batch's call.
+        return nb::make_tuple(packed({&r.offsets}), packed({&r.tokens, &r.parents, &r.match_lens}),
+                              packed({&r.probs, &r.scores}), packed({&r.sources}));
       },
       "locals"_a, "seq_ids"_a, "groups"_a, "global_tree"_a.none(), "budgets"_a, "max_tokens"_a,
       "factor"_a, "offset"_a, "min_prob"_a, "tree"_a, "alpha_group"_a, "alpha_local"_a,

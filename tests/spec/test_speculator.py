@@ -388,3 +388,73 @@ def test_best_and_merge_differ_as_specified() -> None:
     assert merged.source == "global" and merged.token_ids == (10, 11)
     assert merged.probs == (0.875, 0.390625) and merged.score == 1.265625
     assert merged.match_len == 2
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 64, 65, 300])
+def test_list_and_array_extends_build_the_same_trees(n: int) -> None:
+    # A list of plain ints takes the native list path (a separate buffer above 64
+    # tokens); NumPy ints in a list and arrays take the validating path.
+    rng = np.random.default_rng(n)
+    tokens = rng.integers(0, 7, size=n)
+    forms = [tokens.tolist(), tokens.astype(np.int64), [np.int64(t) for t in tokens]]
+    results = []
+    for form in forms:
+        s = spec()
+        s.start(1, [1, 2, 3], group_id="A")
+        s.extend(1, form)
+        s.extend(1, [2**31 - 1, 0])
+        s.end_response(1)
+        s.start(2, [1, 2], group_id="A")
+        s.check_integrity()
+        d = s.propose([2])[0]
+        results.append((s.context_len(1), snapshot(s), d.token_ids, d.probs))
+    assert results[0][0] == n + 5
+    assert results[1:] == results[:1] * 2
+
+
+@pytest.mark.parametrize("bad", [[0] * 70 + [-1], [5] * 10 + [2**31], [1, 2, 3, True]], ids=len)
+def test_a_bad_token_late_in_a_list_changes_nothing(bad: list[int]) -> None:
+    s = spec()
+    s.start(1, [1, 2, 3], group_id="A")
+    before = snapshot(s), s.context_len(1)
+    with pytest.raises(ValueError, match="token ids"):
+        s.extend(1, bad)
+    assert (snapshot(s), s.context_len(1)) == before
+    s.check_integrity()
+
+
+def test_propose_arrays_types_and_agreement_with_propose() -> None:
+    rng = np.random.default_rng(3)
+    s = spec(tree=True, max_spec_tokens=12, min_prob=0.05)
+    for i in range(6):
+        s.start(i, rng.integers(0, 5, size=200), group_id=i % 2)
+    for i in range(3):
+        s.end_response(i)  # nothing generated: no entry
+    s.extend(0, rng.integers(0, 5, size=50).tolist())
+    s.end_response(0)
+    ids = [5, 3, 1, 4]
+    out = s.propose_arrays(ids, [12, 0, 5, 12])
+    dtypes = [a.dtype for a in out]
+    assert dtypes == [np.int32, np.int32, np.float64, np.int64, np.float64, np.int8, np.int32]
+    assert all(a.flags.writeable and a.ndim == 1 for a in out)
+    assert out.offsets.tolist()[0] == 0 and len(out.offsets) == len(ids) + 1
+    assert len(out.scores) == len(out.sources) == len(out.match_lens) == len(ids)
+    total = int(out.offsets[-1])
+    assert len(out.token_ids) == len(out.parents) == len(out.probs) == total > 0
+    assert out.offsets[2] == out.offsets[1]  # budget 0
+    drafts = s.propose(ids, [12, 0, 5, 12])
+    for d in drafts:  # made natively, they behave as any Draft
+        built = Draft(d.token_ids, d.parents, d.probs, d.score, d.source, d.match_len)
+        assert type(d) is Draft and d == built and hash(d) == hash(built)
+        assert dataclasses.replace(d, score=0.5).score == 0.5
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            d.score = 1.0  # type: ignore[misc]
+    assert drafts[1] == Draft((), (), (), 0.0, "none", 0)
+    for i, d in enumerate(drafts):
+        a, b = out.offsets[i], out.offsets[i + 1]
+        assert d.token_ids == tuple(out.token_ids[a:b].tolist())
+        assert d.parents == tuple(out.parents[a:b].tolist())
+        assert d.probs == tuple(out.probs[a:b].tolist())
+        assert (d.score, d.match_len) == (out.scores[i], out.match_lens[i])
+    empty = s.propose_arrays([])
+    assert [len(a) for a in empty] == [0, 0, 0, 1, 0, 0, 0]

@@ -1,4 +1,6 @@
 # Type stub of the native core (csrc/bindings.cc). Only war/spec/tree.py imports it.
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -17,6 +19,7 @@ class SuffixTree:
     @property
     def num_tokens(self) -> int: ...
     def append(self, seq_id: int, tokens: _I32) -> None: ...
+    def append_list(self, seq_id: int, tokens: object) -> bool: ...
     def append_from(
         self, seq_id: int, other: SuffixTree, other_id: int, start: int, end: int
     ) -> None: ...
@@ -45,4 +48,9 @@ def propose_batch(
     offset: float, min_prob: float, tree: bool, alpha_group: _F64, alpha_local: _F64,
     alpha_global: _F64, group_weight: float, merge: bool, merge_threshold: float,
     merge_min_prob: float,
-) -> tuple[_I32, _I32, _F64, npt.NDArray[np.int64], _F64, npt.NDArray[np.int8], _I32]: ...
+) -> tuple[bytearray, bytearray, bytearray, bytearray]: ...  # int64, int32, float64, int8
+
+def make_drafts(
+    draft_type: type, fields: tuple[str, ...], source_names: tuple[str, ...], b64: bytearray,
+    b32: bytearray, bf64: bytearray, b8: bytearray,
+) -> list[Any]: ...

@@ -22,23 +22,24 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from typing import Any
 
 import numpy as np
 
 from war.spec.config import SpecConfig
 from war.spec.tree import (
-    SOURCE_NAMES,
     BatchDrafts,
     DraftParams,
     MergeParams,
     SuffixTree,
     TokensLike,
     alpha_table,
+    append_native,
     as_id,
     as_tokens,
     draft_params,
     propose_batch,
+    propose_drafts,
 )
 from war.types import Draft
 
@@ -106,8 +107,7 @@ class SuffixSpeculator:
 
     def extend(self, seq_id: int, token_ids: TokensLike) -> None:
         """Appends tokens the model generated for the current response. Mutates."""
-        traj = self._traj(seq_id)
-        traj.tree.native.append(_LOCAL_ID, as_tokens(token_ids))
+        append_native(self._traj(seq_id).tree.native, _LOCAL_ID, token_ids)
 
     def end_response(self, seq_id: int) -> None:
         """The current response is complete: it enters the history now, so that
@@ -240,21 +240,18 @@ class SuffixSpeculator:
         sequence); ``None`` means ``config.max_spec_tokens``. A budget of 0 gives
         the empty draft.
         """
-        out = self.propose_arrays(seq_ids, budgets)
-        offsets = out.offsets.tolist()
-        tokens, parents, probs = out.token_ids.tolist(), out.parents.tolist(), out.probs.tolist()
-        scores, sources = out.scores.tolist(), out.sources.tolist()
-        match_lens = out.match_lens.tolist()
-        return [
-            Draft(tuple(tokens[a:b]), tuple(parents[a:b]), tuple(probs[a:b]), scores[i],
-                  SOURCE_NAMES[sources[i]], match_lens[i])
-            for i, (a, b) in enumerate(pairwise(offsets))
-        ]
+        return propose_drafts(*self._batch(seq_ids, budgets))
 
     def propose_arrays(
         self, seq_ids: Sequence[int], budgets: Sequence[int] | int | None = None
     ) -> BatchDrafts:
         """Like ``propose``, as concatenated arrays (for engines). Reads only."""
+        return propose_batch(*self._batch(seq_ids, budgets))
+
+    def _batch(
+        self, seq_ids: Sequence[int], budgets: Sequence[int] | int | None
+    ) -> tuple[Any, ...]:
+        """``propose_batch``'s arguments for a batch (checked ids and budgets)."""
         trajs = [self._traj(s) for s in seq_ids]
         if len({id(t) for t in trajs}) != len(trajs):
             seen: set[int] = set()
@@ -267,7 +264,7 @@ class SuffixSpeculator:
             self._groups.get(t.group, self._empty) if t.group is not None else self._empty
             for t in trajs
         ]
-        return propose_batch(
+        return (
             [t.tree for t in trajs],
             [_LOCAL_ID] * len(trajs),
             groups,

@@ -12,6 +12,7 @@ Every check happens before the native call, so a bad argument raises
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -20,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from war.spec import _C  # the native core (csrc/)
+from war.types import Draft
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -52,6 +54,15 @@ class BatchDrafts(NamedTuple):
 
 SOURCE_NAMES = ("none", "group", "local", "global")
 
+# The slots `_C.make_drafts` fills, in its order. It makes drafts as object.__new__
+# and object.__setattr__ would, so Draft must keep exactly these fields and no
+# __post_init__.
+_DRAFT_FIELDS = tuple(f.name for f in dataclasses.fields(Draft))
+if _DRAFT_FIELDS != ("token_ids", "parents", "probs", "score", "source", "match_len") or hasattr(
+    Draft, "__post_init__"
+):
+    raise ImportError("war.types.Draft changed: update war.spec.tree and _C.make_drafts")
+
 
 def as_tokens(tokens: TokensLike, what: str = "token ids") -> TokenArray:
     """Validates token ids (integers in [0, 2**31 - 1]) and returns them as int32.
@@ -82,6 +93,17 @@ def as_tokens(tokens: TokensLike, what: str = "token ids") -> TokenArray:
     if lo < 0 or hi > INT32_MAX:
         _out_of_range(what, int(lo if lo < 0 else hi))
     return np.asarray(tokens, dtype=np.int32)
+
+
+def append_native(tree: Any, seq_id: int, tokens: TokensLike) -> None:
+    """Appends validated ``tokens`` to native ``tree``'s sequence ``seq_id`` (an id
+    already checked). A list of plain ints in range goes in without a NumPy array;
+    anything else through ``as_tokens``, which raises ValueError naming the problem.
+    The native call raises ValueError before any change for a sealed or too-long
+    sequence. Mutates."""
+    if type(tokens) is list and tree.append_list(seq_id, tokens):
+        return
+    tree.append(seq_id, as_tokens(tokens))
 
 
 def _out_of_range(what: str, token: int) -> None:
@@ -212,9 +234,7 @@ class SuffixTree:
 
     def append(self, seq_id: int, tokens: TokensLike) -> None:
         """Appends tokens to a sequence, creating it if new. Mutates."""
-        # The native call raises ValueError before any change for a sealed or
-        # too-long sequence.
-        self._t.append(as_id(seq_id), as_tokens(tokens))
+        append_native(self._t, as_id(seq_id), tokens)
 
     def append_from(
         self, seq_id: int, other: SuffixTree, other_id: int, start: int, end: int
@@ -305,7 +325,42 @@ def propose_batch(
     merged draft, ``params.min_prob`` unused). Inputs are trusted: the speculator
     builds them from validated state.
     """
-    out = _C.propose_batch(
+    return _unpack(*_propose_native(locals_, local_ids, groups, global_tree, budgets, params,
+                                    local_alpha, global_alpha, group_weight, merge))
+
+
+def propose_drafts(
+    locals_: Sequence[SuffixTree],
+    local_ids: Sequence[int],
+    groups: Sequence[SuffixTree],
+    global_tree: SuffixTree | None,
+    budgets: npt.NDArray[np.int32],
+    params: DraftParams,
+    local_alpha: npt.NDArray[np.float64],
+    global_alpha: npt.NDArray[np.float64],
+    group_weight: float,
+    merge: MergeParams | None = None,
+) -> list[Draft]:
+    """``propose_batch``'s drafts as one ``war.types.Draft`` each, made natively."""
+    out = _propose_native(locals_, local_ids, groups, global_tree, budgets, params,
+                          local_alpha, global_alpha, group_weight, merge)
+    drafts: list[Draft] = _C.make_drafts(Draft, _DRAFT_FIELDS, SOURCE_NAMES, *out)
+    return drafts
+
+
+def _propose_native(
+    locals_: Sequence[SuffixTree],
+    local_ids: Sequence[int],
+    groups: Sequence[SuffixTree],
+    global_tree: SuffixTree | None,
+    budgets: npt.NDArray[np.int32],
+    params: DraftParams,
+    local_alpha: npt.NDArray[np.float64],
+    global_alpha: npt.NDArray[np.float64],
+    group_weight: float,
+    merge: MergeParams | None,
+) -> tuple[bytearray, bytearray, bytearray, bytearray]:
+    return _C.propose_batch(
         [t.native for t in locals_],
         np.asarray(local_ids, dtype=np.int64),
         [g.native for g in groups],
@@ -319,4 +374,17 @@ def propose_batch(
         0.5 if merge is None else float(merge.threshold),
         0.05 if merge is None else float(merge.min_prob),
     )
-    return BatchDrafts(*out)
+
+
+def _unpack(b64: bytearray, b32: bytearray, bf64: bytearray, b8: bytearray) -> BatchDrafts:
+    """The native batch's arrays (one bytearray per dtype, ``packed`` in
+    csrc/bindings.cc) as writable views: offsets; tokens, parents, match lengths;
+    probabilities, scores; sources."""
+    offsets = np.frombuffer(b64, np.int64)  # always holds 0 first
+    total = int(offsets[-1])
+    i32 = np.frombuffer(b32, np.int32)
+    f64 = np.frombuffer(bf64, np.float64)
+    return BatchDrafts(
+        i32[:total], i32[total : 2 * total], f64[:total], offsets, f64[total:],
+        np.frombuffer(b8, np.int8), i32[2 * total :],
+    )
