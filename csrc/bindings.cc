@@ -153,15 +153,16 @@ NB_MODULE(_C, m) {
              t.append(seq_id, tokens.data(), tokens.shape(0));
            },
            "seq_id"_a, "tokens"_a)
-      // A list of Python ints, read without a NumPy array: the few tokens of a
-      // decoding step cost less this way. Returns false, having appended nothing,
-      // when an item is not an int (bools included) in [0, 2**31 - 1]; the caller
-      // then takes the validating path, which names the problem.
-      .def("append_list",
+      // A list or tuple of Python ints, read without a NumPy array: the few tokens
+      // of a decoding step cost less this way. Returns false, having appended
+      // nothing, when an item is not an int (bools included) in [0, 2**31 - 1]; the
+      // caller then takes the validating path, which names the problem.
+      .def("append_ints",
            [](war::SuffixTree& t, int64_t seq_id, nb::handle tokens) {
-             PyObject* list = tokens.ptr();
-             if (!PyList_CheckExact(list)) return false;
-             const Py_ssize_t n = PyList_GET_SIZE(list);
+             PyObject* seq = tokens.ptr();
+             if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) return false;
+             const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+             PyObject** items = PySequence_Fast_ITEMS(seq);
              int32_t small[64];
              std::vector<int32_t> large;
              int32_t* buf = small;
@@ -170,7 +171,7 @@ NB_MODULE(_C, m) {
                buf = large.data();
              }
              for (Py_ssize_t i = 0; i < n; ++i) {
-               PyObject* item = PyList_GET_ITEM(list, i);
+               PyObject* item = items[i];
                if (!PyLong_CheckExact(item)) return false;
                int overflow = 0;
                const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);

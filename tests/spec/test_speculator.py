@@ -392,11 +392,12 @@ def test_best_and_merge_differ_as_specified() -> None:
 
 @pytest.mark.parametrize("n", [0, 1, 3, 64, 65, 300])
 def test_list_and_array_extends_build_the_same_trees(n: int) -> None:
-    # A list of plain ints takes the native list path (a separate buffer above 64
-    # tokens); NumPy ints in a list and arrays take the validating path.
+    # A list or tuple of plain ints takes the native path (a separate buffer above
+    # 64 tokens); NumPy ints in a list and arrays take the validating path.
     rng = np.random.default_rng(n)
     tokens = rng.integers(0, 7, size=n)
-    forms = [tokens.tolist(), tokens.astype(np.int64), [np.int64(t) for t in tokens]]
+    forms = [tokens.tolist(), tuple(tokens.tolist()), tokens.astype(np.int64),
+             [np.int64(t) for t in tokens]]
     results = []
     for form in forms:
         s = spec()
@@ -409,11 +410,13 @@ def test_list_and_array_extends_build_the_same_trees(n: int) -> None:
         d = s.propose([2])[0]
         results.append((s.context_len(1), snapshot(s), d.token_ids, d.probs))
     assert results[0][0] == n + 5
-    assert results[1:] == results[:1] * 2
+    assert results[1:] == results[:1] * 3
 
 
-@pytest.mark.parametrize("bad", [[0] * 70 + [-1], [5] * 10 + [2**31], [1, 2, 3, True]], ids=len)
-def test_a_bad_token_late_in_a_list_changes_nothing(bad: list[int]) -> None:
+@pytest.mark.parametrize(
+    "bad", [[0] * 70 + [-1], (5,) * 10 + (2**31,), [1, 2, 3, True], (1, 2.0)], ids=repr
+)
+def test_a_bad_token_late_in_a_list_changes_nothing(bad: list[int] | tuple[int, ...]) -> None:
     s = spec()
     s.start(1, [1, 2, 3], group_id="A")
     before = snapshot(s), s.context_len(1)

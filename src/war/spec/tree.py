@@ -41,7 +41,10 @@ class SpecResult(NamedTuple):
 
 
 class BatchDrafts(NamedTuple):
-    """Drafts for a batch, concatenated: draft ``i`` is ``offsets[i]:offsets[i+1]``."""
+    """Drafts for a batch, concatenated: draft ``i`` is ``offsets[i]:offsets[i+1]``.
+
+    The arrays are writable views of one buffer per dtype (token ids, parents and match
+    lengths share the int32 one; probabilities and scores the float64 one)."""
 
     token_ids: npt.NDArray[np.int32]
     parents: npt.NDArray[np.int32]
@@ -95,13 +98,16 @@ def as_tokens(tokens: TokensLike, what: str = "token ids") -> TokenArray:
     return np.asarray(tokens, dtype=np.int32)
 
 
+_INT_SEQUENCES = (list, tuple)
+
+
 def append_native(tree: Any, seq_id: int, tokens: TokensLike) -> None:
     """Appends validated ``tokens`` to native ``tree``'s sequence ``seq_id`` (an id
-    already checked). A list of plain ints in range goes in without a NumPy array;
-    anything else through ``as_tokens``, which raises ValueError naming the problem.
-    The native call raises ValueError before any change for a sealed or too-long
-    sequence. Mutates."""
-    if type(tokens) is list and tree.append_list(seq_id, tokens):
+    already checked). A list or tuple of plain ints in range goes in without a NumPy
+    array; anything else through ``as_tokens``, which raises ValueError naming the
+    problem. The native call raises ValueError before any change for a sealed or
+    too-long sequence. Mutates."""
+    if type(tokens) in _INT_SEQUENCES and tree.append_ints(seq_id, tokens):
         return
     tree.append(seq_id, as_tokens(tokens))
 
