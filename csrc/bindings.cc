@@ -10,6 +10,8 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -79,55 +81,79 @@ nb::object checked(PyObject* o) {
   return nb::steal(o);
 }
 
+// A 1-D C-contiguous buffer of T (an integer or floating type of T's size),
+// through the buffer protocol: cheaper than a nanobind ndarray argument.
+template <typename T>
+class Buf {
+ public:
+  Buf(nb::handle o, const char* what) {
+    if (PyObject_GetBuffer(o.ptr(), &view_, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
+      throw nb::python_error();
+    held_ = true;
+    const char* f = view_.format != nullptr ? view_.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') ++f;
+    const bool is_float = *f == 'd' || *f == 'f';
+    if (view_.ndim != 1 || view_.itemsize != static_cast<Py_ssize_t>(sizeof(T)) ||
+        is_float != std::is_floating_point_v<T> || f[1] != '\0')
+      throw std::invalid_argument(std::string("make_drafts: ") + what + " has the wrong type");
+  }
+  ~Buf() {
+    if (held_) PyBuffer_Release(&view_);
+  }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  const T* data() const { return static_cast<const T*>(view_.buf); }
+  size_t size() const { return static_cast<size_t>(view_.shape[0]); }
+
+ private:
+  Py_buffer view_{};
+  bool held_ = false;
+};
+
 // Drafts (instances of `draft_type`, whose slots are `fields`: token_ids, parents,
-// probs, score, source, match_len) from propose_batch's bytearrays. Instances are
-// made as object.__new__ and object.__setattr__ make them (the type must have no
-// __post_init__): the dataclass's own __init__ costs microseconds per draft.
+// probs, score, source, match_len) from a batch's arrays (war.spec.tree.BatchDrafts).
+// Instances are made as object.__new__ and object.__setattr__ make them (the type
+// must have no __post_init__): the dataclass's own __init__ costs microseconds each.
 nb::list make_drafts(nb::handle draft_type, nb::tuple fields, nb::tuple source_names,
-                     nb::handle b64, nb::handle b32, nb::handle bf64, nb::handle b8) {
+                     nb::handle token_ids, nb::handle parents_, nb::handle probs_,
+                     nb::handle offsets_, nb::handle scores_, nb::handle sources_,
+                     nb::handle match_lens_) {
   if (!PyType_Check(draft_type.ptr()) || fields.size() != 6)
     throw std::invalid_argument("make_drafts: a type and its six field names expected");
-  for (nb::handle h : {b64, b32, bf64, b8})
-    if (!PyByteArray_Check(h.ptr())) throw std::invalid_argument("make_drafts: bytearrays expected");
-  auto size = [](nb::handle h) { return static_cast<size_t>(PyByteArray_GET_SIZE(h.ptr())); };
-  const size_t n_off = size(b64) / sizeof(int64_t);
-  if (n_off == 0 || size(b64) % sizeof(int64_t) != 0)
-    throw std::invalid_argument("make_drafts: no offsets");
-  const size_t n = n_off - 1;
-  const auto* offsets = reinterpret_cast<const int64_t*>(PyByteArray_AS_STRING(b64.ptr()));
-  const int64_t total = offsets[n];
-  if (offsets[0] != 0 || total < 0 ||
-      size(b32) != (2 * static_cast<size_t>(total) + n) * sizeof(int32_t) ||
-      size(bf64) != (static_cast<size_t>(total) + n) * sizeof(double) || size(b8) != n)
-    throw std::invalid_argument("make_drafts: buffer sizes disagree");
-  for (size_t i = 0; i < n; ++i)
-    if (offsets[i + 1] < offsets[i]) throw std::invalid_argument("make_drafts: offsets decrease");
-  const auto* i32 = reinterpret_cast<const int32_t*>(PyByteArray_AS_STRING(b32.ptr()));
-  const int32_t* tokens = i32;
-  const int32_t* parents = i32 + total;
-  const int32_t* match_lens = i32 + 2 * total;
-  const auto* f64 = reinterpret_cast<const double*>(PyByteArray_AS_STRING(bf64.ptr()));
-  const double* probs = f64;
-  const double* scores = f64 + total;
-  const auto* sources = reinterpret_cast<const int8_t*>(PyByteArray_AS_STRING(b8.ptr()));
+  const Buf<int32_t> tokens(token_ids, "token_ids"), parents(parents_, "parents");
+  const Buf<double> probs(probs_, "probs"), scores(scores_, "scores");
+  const Buf<int64_t> offsets(offsets_, "offsets");
+  const Buf<int8_t> sources(sources_, "sources");
+  const Buf<int32_t> match_lens(match_lens_, "match_lens");
+  if (offsets.size() == 0) throw std::invalid_argument("make_drafts: no offsets");
+  const size_t n = offsets.size() - 1;
+  const int64_t* off = offsets.data();
+  const size_t total = tokens.size();
+  if (off[0] != 0 || off[n] != static_cast<int64_t>(total) || parents.size() != total ||
+      probs.size() != total || scores.size() != n || sources.size() != n ||
+      match_lens.size() != n)
+    throw std::invalid_argument("make_drafts: array lengths disagree");
+  for (size_t i = 0; i < n; ++i) {
+    if (off[i + 1] < off[i]) throw std::invalid_argument("make_drafts: offsets decrease");
+    if (sources.data()[i] < 0 || static_cast<size_t>(sources.data()[i]) >= source_names.size())
+      throw std::invalid_argument("make_drafts: unknown source");
+  }
   auto* type = reinterpret_cast<PyTypeObject*>(draft_type.ptr());
   nb::tuple no_args = nb::make_tuple();
   nb::list out;
   for (size_t i = 0; i < n; ++i) {
-    const int64_t a = offsets[i], b = offsets[i + 1];
-    if (sources[i] < 0 || static_cast<size_t>(sources[i]) >= source_names.size())
-      throw std::invalid_argument("make_drafts: unknown source");
+    const int64_t a = off[i], b = off[i + 1];
     nb::object tok = checked(PyTuple_New(b - a));
     nb::object par = checked(PyTuple_New(b - a));
     nb::object pro = checked(PyTuple_New(b - a));
     for (int64_t j = a; j < b; ++j) {
-      PyTuple_SET_ITEM(tok.ptr(), j - a, checked(PyLong_FromLong(tokens[j])).release().ptr());
-      PyTuple_SET_ITEM(par.ptr(), j - a, checked(PyLong_FromLong(parents[j])).release().ptr());
-      PyTuple_SET_ITEM(pro.ptr(), j - a, checked(PyFloat_FromDouble(probs[j])).release().ptr());
+      PyTuple_SET_ITEM(tok.ptr(), j - a, checked(PyLong_FromLong(tokens.data()[j])).release().ptr());
+      PyTuple_SET_ITEM(par.ptr(), j - a, checked(PyLong_FromLong(parents.data()[j])).release().ptr());
+      PyTuple_SET_ITEM(pro.ptr(), j - a, checked(PyFloat_FromDouble(probs.data()[j])).release().ptr());
     }
-    nb::object values[6] = {tok, par, pro, checked(PyFloat_FromDouble(scores[i])),
-                            nb::borrow(source_names[static_cast<size_t>(sources[i])]),
-                            checked(PyLong_FromLong(match_lens[i]))};
+    nb::object values[6] = {tok, par, pro, checked(PyFloat_FromDouble(scores.data()[i])),
+                            nb::borrow(source_names[static_cast<size_t>(sources.data()[i])]),
+                            checked(PyLong_FromLong(match_lens.data()[i]))};
     nb::object d = checked(type->tp_new(type, no_args.ptr(), nullptr));
     for (size_t f = 0; f < 6; ++f)
       if (PyObject_GenericSetAttr(d.ptr(), fields[f].ptr(), values[f].ptr()) != 0)
@@ -235,8 +261,9 @@ NB_MODULE(_C, m) {
            "alpha"_a)
       .def("check_integrity", &war::SuffixTree::check_integrity);
 
-  m.def("make_drafts", &make_drafts, "draft_type"_a, "fields"_a, "source_names"_a, "b64"_a,
-        "b32"_a, "bf64"_a, "b8"_a);
+  m.def("make_drafts", &make_drafts, "draft_type"_a, "fields"_a, "source_names"_a,
+        "token_ids"_a, "parents"_a, "probs"_a, "offsets"_a, "scores"_a, "sources"_a,
+        "match_lens"_a);
 
   m.def(
       "propose_batch",

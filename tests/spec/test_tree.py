@@ -125,3 +125,32 @@ def test_batched_propose_releases_the_gil() -> None:
     if duration < 0.03:
         pytest.skip(f"the batch took only {duration:.3f} s: too short to tell")
     assert max(gaps) < duration / 2, (max(gaps), duration)
+
+
+def test_drafts_of_rejects_arrays_that_are_not_a_batch() -> None:
+    from war.spec.tree import BatchDrafts, drafts_of
+
+    i32 = np.int32
+    good = BatchDrafts(np.array([5, 6, 7], i32), np.array([-1, 0, -1], i32),
+                       np.array([0.9, 0.5, 0.8]), np.array([0, 2, 3], np.int64),
+                       np.array([1.4, 0.8]), np.array([1, 3], np.int8), np.array([4, 2], i32))
+    d = drafts_of(good)
+    assert [x.token_ids for x in d] == [(5, 6), (7,)]
+    assert [x.source for x in d] == ["group", "global"]
+    bad = [
+        good._replace(token_ids=good.token_ids.astype(np.int64)),  # dtype
+        good._replace(probs=good.probs.astype(np.float32)),
+        good._replace(scores=good.scores.astype(i32)),
+        good._replace(parents=good.parents[:2]),  # lengths
+        good._replace(offsets=np.array([0, 2, 4], np.int64)),
+        good._replace(offsets=np.array([1, 2, 3], np.int64)),
+        good._replace(offsets=np.array([0, 3, 2, 3], np.int64)),
+        good._replace(offsets=np.array([], np.int64)),
+        good._replace(sources=np.array([1, 4], np.int8)),  # unknown source
+        good._replace(token_ids=np.array([[5, 6, 7]], i32)),  # 2-D
+        good._replace(match_lens=np.array([4, 0, 2, 0], i32)[::2]),  # not contiguous
+    ]
+    for b in bad:
+        with pytest.raises(ValueError):
+            drafts_of(b)
+    assert drafts_of(good) == d

@@ -51,6 +51,7 @@ def propose_batch(
 ) -> tuple[bytearray, bytearray, bytearray, bytearray]: ...  # int64, int32, float64, int8
 
 def make_drafts(
-    draft_type: type, fields: tuple[str, ...], source_names: tuple[str, ...], b64: bytearray,
-    b32: bytearray, bf64: bytearray, b8: bytearray,
+    draft_type: type, fields: tuple[str, ...], source_names: tuple[str, ...], token_ids: _I32,
+    parents: _I32, probs: _F64, offsets: npt.NDArray[np.int64], scores: _F64,
+    sources: npt.NDArray[np.int8], match_lens: _I32,
 ) -> list[Any]: ...

@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -38,8 +37,8 @@ from war.spec.tree import (
     as_id,
     as_tokens,
     draft_params,
+    drafts_of,
     propose_batch,
-    propose_drafts,
 )
 from war.types import Draft
 
@@ -240,18 +239,12 @@ class SuffixSpeculator:
         sequence); ``None`` means ``config.max_spec_tokens``. A budget of 0 gives
         the empty draft.
         """
-        return propose_drafts(*self._batch(seq_ids, budgets))
+        return drafts_of(self.propose_arrays(seq_ids, budgets))
 
     def propose_arrays(
         self, seq_ids: Sequence[int], budgets: Sequence[int] | int | None = None
     ) -> BatchDrafts:
         """Like ``propose``, as concatenated arrays (for engines). Reads only."""
-        return propose_batch(*self._batch(seq_ids, budgets))
-
-    def _batch(
-        self, seq_ids: Sequence[int], budgets: Sequence[int] | int | None
-    ) -> tuple[Any, ...]:
-        """``propose_batch``'s arguments for a batch (checked ids and budgets)."""
         trajs = [self._traj(s) for s in seq_ids]
         if len({id(t) for t in trajs}) != len(trajs):
             seen: set[int] = set()
@@ -264,7 +257,7 @@ class SuffixSpeculator:
             self._groups.get(t.group, self._empty) if t.group is not None else self._empty
             for t in trajs
         ]
-        return (
+        return propose_batch(
             [t.tree for t in trajs],
             [_LOCAL_ID] * len(trajs),
             groups,

@@ -331,42 +331,7 @@ def propose_batch(
     merged draft, ``params.min_prob`` unused). Inputs are trusted: the speculator
     builds them from validated state.
     """
-    return _unpack(*_propose_native(locals_, local_ids, groups, global_tree, budgets, params,
-                                    local_alpha, global_alpha, group_weight, merge))
-
-
-def propose_drafts(
-    locals_: Sequence[SuffixTree],
-    local_ids: Sequence[int],
-    groups: Sequence[SuffixTree],
-    global_tree: SuffixTree | None,
-    budgets: npt.NDArray[np.int32],
-    params: DraftParams,
-    local_alpha: npt.NDArray[np.float64],
-    global_alpha: npt.NDArray[np.float64],
-    group_weight: float,
-    merge: MergeParams | None = None,
-) -> list[Draft]:
-    """``propose_batch``'s drafts as one ``war.types.Draft`` each, made natively."""
-    out = _propose_native(locals_, local_ids, groups, global_tree, budgets, params,
-                          local_alpha, global_alpha, group_weight, merge)
-    drafts: list[Draft] = _C.make_drafts(Draft, _DRAFT_FIELDS, SOURCE_NAMES, *out)
-    return drafts
-
-
-def _propose_native(
-    locals_: Sequence[SuffixTree],
-    local_ids: Sequence[int],
-    groups: Sequence[SuffixTree],
-    global_tree: SuffixTree | None,
-    budgets: npt.NDArray[np.int32],
-    params: DraftParams,
-    local_alpha: npt.NDArray[np.float64],
-    global_alpha: npt.NDArray[np.float64],
-    group_weight: float,
-    merge: MergeParams | None,
-) -> tuple[bytearray, bytearray, bytearray, bytearray]:
-    return _C.propose_batch(
+    out = _C.propose_batch(
         [t.native for t in locals_],
         np.asarray(local_ids, dtype=np.int64),
         [g.native for g in groups],
@@ -380,6 +345,15 @@ def _propose_native(
         0.5 if merge is None else float(merge.threshold),
         0.05 if merge is None else float(merge.min_prob),
     )
+    return _unpack(*out)
+
+
+def drafts_of(batch: BatchDrafts) -> list[Draft]:
+    """A batch's drafts as one ``war.types.Draft`` each, made natively.
+
+    Raises ValueError if the arrays do not form a batch (wrong dtypes or lengths)."""
+    drafts: list[Draft] = _C.make_drafts(Draft, _DRAFT_FIELDS, SOURCE_NAMES, *batch)
+    return drafts
 
 
 def _unpack(b64: bytearray, b32: bytearray, bf64: bytearray, b8: bytearray) -> BatchDrafts:
