@@ -92,9 +92,11 @@ class Buf {
     held_ = true;
     const char* f = view_.format != nullptr ? view_.format : "B";
     if (*f == '<' || *f == '=' || *f == '@') ++f;
-    const bool is_float = *f == 'd' || *f == 'f';
+    // Floats 'e', 'f', 'd'; signed integers 'b', 'h', 'i', 'l', 'q'.
+    const bool kind_ok = std::is_floating_point_v<T> ? std::strchr("efd", *f) != nullptr
+                                                     : std::strchr("bhilq", *f) != nullptr;
     if (view_.ndim != 1 || view_.itemsize != static_cast<Py_ssize_t>(sizeof(T)) ||
-        is_float != std::is_floating_point_v<T> || f[1] != '\0')
+        *f == '\0' || !kind_ok || f[1] != '\0')
       throw std::invalid_argument(std::string("make_drafts: ") + what + " has the wrong type");
   }
   ~Buf() {

@@ -139,6 +139,8 @@ def test_drafts_of_rejects_arrays_that_are_not_a_batch() -> None:
     assert [x.source for x in d] == ["group", "global"]
     bad = [
         good._replace(token_ids=good.token_ids.astype(np.int64)),  # dtype
+        good._replace(parents=good.parents.astype(np.uint32)),
+        good._replace(sources=good.sources.astype(np.uint8)),
         good._replace(probs=good.probs.astype(np.float32)),
         good._replace(scores=good.scores.astype(i32)),
         good._replace(parents=good.parents[:2]),  # lengths
