@@ -55,6 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from war.backends import OpenAICompatBackend, WarHttpBackend
 from war.backends.base import Backend
+from war.outputs import output_file_arg, write_json
 from war.rollout.agent import AgentConfig, PolicyIO
 from war.rollout.bench import RunFigures, figures, with_lower_bounds
 from war.rollout.driver import RolloutConfig, run_step_async
@@ -436,7 +437,7 @@ def _ratio(out: Mapping[str, Any], load: str, key: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", type=Path, required=True, help="output file")
+    p.add_argument("--json", type=output_file_arg, required=True, help="output file")
     p.add_argument("--markdown", type=Path, help="also write the tables here")
     p.add_argument("--configs", default="1,2,3,4,5", help="comma-separated keys (1-5)")
     p.add_argument("--model", type=Path, help="policy folder (default: the built-in policy)")
@@ -493,8 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                              log_dir=args.log_dir, war_policy=args.war_policy)
     out = run_bench(settings, keys, log=lambda s: print(s, file=sys.stderr, flush=True),
                     loads_run=loads_run)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2))
+    write_json(args.json, out, indent=2)
     if args.markdown is not None:
         args.markdown.write_text(markdown(out))
     print(f"e2e: low load war/#2 {_ratio(out, 'low', 4):.2f}x, high load war/#2 "

@@ -49,6 +49,7 @@ from war.engine.bench import (
     summary_line,
 )
 from war.engine.loader import load_model
+from war.outputs import output_file_arg, write_json
 from war.spec.config import SpecConfig
 from war.spec.traces import IM_END, load_records, load_tokenizer
 
@@ -58,7 +59,7 @@ CACHE = REPO / ".cache" / "war"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON")
+    p.add_argument("--json", type=output_file_arg, metavar="OUT", help="write the report as JSON")
     p.add_argument("--quick", action="store_true",
                    help="fewer concurrencies, shorter outputs, fewer repeats (< 5 min); the\n"
                         "cached full model if current, else a quickly trained one")
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     report["seconds"] = time.perf_counter() - t0
     print(summary_line(report))
     if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, report, indent=2)
     return 0
 
 

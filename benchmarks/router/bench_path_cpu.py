@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -37,6 +35,7 @@ from war import aio
 from war.backends import h1
 from war.cli.route import build_router
 from war.engine.bench import machine_info
+from war.outputs import output_file_arg, write_json
 from war.router.bench import POLICIES, build_load, sglang_answer
 from war.router.edge import FastRoute
 from war.router.server import build_response, create_router_app
@@ -138,7 +137,7 @@ def run(policies: Sequence[str], api: str, affinities: Sequence[float], num: int
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON")
+    p.add_argument("--json", type=output_file_arg, metavar="OUT", help="write the report as JSON")
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--api", choices=tuple(API_PATHS), default="sglang",
                    help="the API the router is reached over and reaches its replicas with")
@@ -156,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"machine": machine_info(), "api": args.api, "requests": args.requests,
               "window": WINDOW, "rows": rows, "wall_s": time.perf_counter() - t0}
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        write_json(args.json, report)
     cells = [f"{r['policy']}@{r['affinity']:g} {r['cpu_us_per_request']:.0f}" for r in rows]
     print(f"bench_path_cpu ({args.api}): µs of router CPU per request, in process: "
           + ", ".join(cells))

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from war.engine.bench import machine_info
+from war.outputs import output_file_arg, write_json
 from war.router.bench import (
     POLICIES,
     PolicyBenchConfig,
@@ -45,7 +44,7 @@ from war.router.bench import (
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON")
+    p.add_argument("--json", type=output_file_arg, metavar="OUT", help="write the report as JSON")
     p.add_argument("--quick", action="store_true", help="fewer requests and repeats (< 3 min)")
     p.add_argument("--policies", nargs="+", choices=POLICIES, help="policies to compare")
     p.add_argument("--repeats", type=int, help="repeats of each measurement")
@@ -114,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     report["targets"] = targets(report)
     report["wall_s"] = time.perf_counter() - t0
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        write_json(args.json, report)
     print(summary_line(report))
     return 0
 

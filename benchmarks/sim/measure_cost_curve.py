@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,12 +37,13 @@ from war.engine.bench import (
     measure_cost_curve,
 )
 from war.engine.loader import init_random
+from war.outputs import output_file_arg, write_json
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--json", type=Path, required=True, metavar="OUT", help="write here")
+    p.add_argument("--json", type=output_file_arg, required=True, metavar="OUT", help="write here")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--drafts", type=int, nargs="+", default=[0, 2, 4, 8, 16])
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
@@ -94,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "seconds": time.perf_counter() - t0,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    write_json(args.json, report)
     print(f"{len(points)} shapes in {report['seconds']:.0f} s -> {args.json}")
     return 0
 

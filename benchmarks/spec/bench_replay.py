@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from war.outputs import output_file_arg, write_json
 from war.spec import SpecConfig, SuffixSpeculator
 from war.spec.config import COMBINES
 from war.spec.replay import (
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: shared GPT-2)")
     p.add_argument("--budget", type=int, help="draft budget per propose (default: config's)")
-    p.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON")
+    p.add_argument("--json", type=output_file_arg, metavar="OUT", help="write the report as JSON")
     cfg = p.add_argument_group("SpecConfig overrides (default: the mode's preset, else SpecConfig)")
     cfg.add_argument(
         "--no-global", dest="use_global", action="store_const", const=False, help="use_global=False"
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 name: ratios(file_report, base.per_file[name])
                 for name, file_report in report.per_file.items()
             }
-        args.json.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, out, indent=2)
     return 0
 
 

@@ -46,3 +46,23 @@ def test_bad_input_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "trace file not found" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["spec", "replay", "--mode", "bush"])
+
+
+def test_unusable_paths_are_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder given for a file (or the reverse) is refused before any work starts."""
+    (tmp_path / "file").write_text("x")
+    cases = [
+        (["spec", "replay", "--traces", str(tmp_path)], f"trace file {tmp_path} is not a file"),
+        (["spec", "replay", "--limit", "1", "--json", str(tmp_path)], "is a folder"),
+        (["train-policy", "--out", str(tmp_path / "file")], "exists and is not a folder"),
+        (["train-policy", "--out", str(tmp_path / "m"), "--json", str(tmp_path)], "is a folder"),
+        (["rollout", "--config", str(tmp_path)], "Is a directory"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith("war: error: ") and message in err, (argv, err)
+        assert "Traceback" not in err
+    assert not (tmp_path / "m").exists()  # train-policy stopped before training

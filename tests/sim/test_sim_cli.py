@@ -56,6 +56,51 @@ def test_sim_reports_bad_files(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "unknown section" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--loads", "-1"], "--loads must be positive finite numbers, got [-1.0]"),
+    (["--loads", "0"], "--loads must be positive finite numbers, got [0.0]"),
+    (["--loads", "nan"], "--loads must be positive finite numbers, got [nan]"),
+    (["--loads", "2", "inf"], "--loads must be positive finite numbers, got [inf]"),
+    (["--json", "{tmp}"], "is a folder; give a file name"),
+    (["--json", "{tmp}/file.txt/out.json"], "cannot write in"),
+    (["--plots", "{tmp}/file.txt"], "exists and is not a folder"),
+    (["--traces", "{tmp}"], "is not a file"),
+])
+def test_sim_refuses_bad_options_before_running(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str,
+) -> None:
+    """Bad loads and unwritable outputs fail at once (one line), before any run whose
+    report would then be lost."""
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(EXPERIMENT)
+    (tmp_path / "file.txt").write_text("x")
+    out = tmp_path / "out.json"
+    args = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    argv = ["sim", "--config", str(cfg), "--json", str(out), *args]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("war: error: ") and message in err and err.count("\n") == 1
+    assert "traces:" not in err  # nothing was loaded or run
+    assert not out.exists()
+
+
+def test_sim_reports_unreadable_experiment_files(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = str(tmp_path / "o.json")
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("name: [x\n")
+    cases = [(tmp_path, "is not a file"), (tmp_path / "none.yaml", "experiment file not found"),
+             (bad_yaml, "not a valid YAML file")]
+    for path, message in cases:
+        assert main(["sim", "--config", str(path), "--json", out]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("war: error: ") and message in err
+    loads = tmp_path / "loads.yaml"
+    loads.write_text(EXPERIMENT.replace("loads: [2]", "loads: [two]"))
+    assert main(["sim", "--config", str(loads), "--json", out]) == 1
+    assert "loads must be a list of numbers" in capsys.readouterr().err
+
+
 def test_sim_on_small_traces_merges_loads_and_cuts_long_trajectories(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Six tasks of four trials: loads of 12 and 24 per replica (two replicas) both ask

@@ -1,7 +1,7 @@
 """Entry point of the `war` command (`war = "war.cli.main:main"` in pyproject).
 
 Knows the subcommands and how to report a caller's mistake (one line on stderr, exit
-status 1); each subcommand's options and work live in its own module.
+status 1: ValueError and OSError); each subcommand's options and work live in its own module.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         status: int = args.run(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
+        # A caller's mistake (bad value, missing or unreadable file, a folder given for
+        # a file): one line, no traceback.
         print(f"war: error: {e}", file=sys.stderr)
         return 1
     return status

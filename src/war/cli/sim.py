@@ -8,7 +8,6 @@ and where the JSON report and the plots go. Does not know the simulator's intern
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -38,7 +37,8 @@ def add_sim_command(commands: Subparsers) -> None:
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    from war.sim.experiment import Experiment, run_experiment
+    from war.outputs import check_output_dir, check_output_file, write_json
+    from war.sim.experiment import Experiment, check_loads, run_experiment
     from war.sim.plots import write_plots
     from war.sim.report import summary_lines, targets
 
@@ -47,6 +47,12 @@ def run_sim(args: argparse.Namespace) -> int:
             else (os.cpu_count() or 1)
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if args.loads is not None:
+        check_loads(args.loads, "--loads")
+    # A sweep takes minutes: where its report and plots go is checked first.
+    check_output_file(args.json, "--json")
+    if args.plots is not None:
+        check_output_dir(args.plots, "--plots")
     exp = Experiment.load(args.config)
     if args.configs:
         missing = sorted(set(args.configs) - set(exp.configs))
@@ -59,8 +65,7 @@ def run_sim(args: argparse.Namespace) -> int:
     report = run_experiment(exp, args.traces, args.workers, log, args.loads, args.configs)
     report["targets"] = targets(report["results"], report["wall_s"])
     report["experiment"] = str(args.config)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    write_json(args.json, report)
     if args.plots is not None:
         for path in write_plots(report["results"], args.plots):
             log(f"plot: {path}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeAlias
@@ -19,6 +18,7 @@ from rich.table import Table
 
 from war import data
 from war.cli.console import make_console
+from war.outputs import check_output_file, write_json
 from war.spec import SpecConfig, SuffixSpeculator
 from war.spec.replay import MODES, ReplayReport, baseline_config, mode_config, replay_by_file
 from war.spec.traces import ORDERS, TraceSource, Trajectory, load_trajectories, ordered
@@ -75,6 +75,8 @@ def _replay(trajs: Sequence[Trajectory], cfg: SpecConfig) -> ReplayReport:
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    if args.json is not None:
+        check_output_file(args.json, "--json")
     trajs = _trajectories(args)
     cfg = mode_config(args.mode)
     report = _replay(trajs, cfg)
@@ -82,7 +84,7 @@ def run_replay(args: argparse.Namespace) -> int:
     console.print(report_table(report, title=f"suffix speculation replay ({args.mode})"))
     if args.json is not None:
         out = {"config": dataclasses.asdict(cfg), "order": args.order, **report.to_dict()}
-        args.json.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, out, indent=2)
         console.print(f"wrote {args.json}")
     return 0
 

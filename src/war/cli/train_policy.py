@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 from typing import TypeAlias
 
 from rich.table import Table
 
 from war.cli.console import make_console
+from war.outputs import check_output_dir, check_output_file, write_json
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
@@ -59,6 +59,9 @@ def run_train_policy(args: argparse.Namespace) -> int:
     eval_seed = args.eval_seed if args.eval_seed is not None else args.seed + 1000
     if eval_seed == args.seed:
         raise ValueError("--eval-seed must differ from --seed (held-out tasks)")
+    if args.json is not None:
+        check_output_file(args.json, "--json")
+    check_output_dir(args.out, "--out")
     console.print(f"[bold]war train-policy[/] -> {args.out} (seed {config.seed}, "
                   f"{config.steps} steps, {config.tasks_per_env} tasks per env)")
     summary = train_policy(
@@ -88,5 +91,5 @@ def run_train_policy(args: argparse.Namespace) -> int:
                       f"{result.mean_turns:.2f}, {result.seconds:.0f} s")
         report["eval"] = result.to_dict()
     if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, report, indent=2)
     return 0

@@ -11,6 +11,7 @@ one report. Does not know the event loop (``war.sim.simulator``), the targets
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -56,8 +57,7 @@ class Experiment:
         for name, c in self.configs.items():
             if not isinstance(c, Mapping) or "policy" not in c:
                 raise ValueError(f"configuration {name!r} needs a policy")
-        if not self.loads or min(self.loads) <= 0:
-            raise ValueError(f"loads must be positive, got {self.loads}")
+        check_loads(self.loads, "loads")
         if self.drafts not in ("live", "cached"):
             raise ValueError(f"drafts must be 'live' or 'cached', got {self.drafts!r}")
         if self.workload.get("kind", "traces") not in ("traces", "synthetic"):
@@ -66,7 +66,13 @@ class Experiment:
     @classmethod
     def load(cls, path: str | Path) -> Experiment:
         p = Path(path)
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        if not p.is_file():
+            raise FileNotFoundError(f"experiment file not found: {p}" if not p.exists()
+                                    else f"experiment file {p} is not a file")
+        try:
+            raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ValueError(f"{p}: not a valid YAML file: {e}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{p}: an experiment file is a mapping")
         known = {f.name for f in dataclasses.fields(cls)} - {"base_dir"}
@@ -74,7 +80,11 @@ class Experiment:
         if unknown:
             raise ValueError(f"{p}: unknown section(s) {sorted(unknown)}")
         raw["base_dir"] = p.resolve().parent
-        raw["loads"] = tuple(float(x) for x in raw.get("loads", ()))
+        loads = raw.get("loads", ())
+        if not isinstance(loads, list) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in loads):
+            raise ValueError(f"{p}: loads must be a list of numbers, got {loads!r}")
+        raw["loads"] = tuple(float(x) for x in loads)
         raw["traces"] = tuple(raw.get("traces", ()))
         raw.setdefault("name", p.stem)
         return cls(**raw)
@@ -98,6 +108,16 @@ def build_cost(spec: Mapping[str, Any], base_dir: Path) -> CostModel:
     raise ValueError(f"unknown cost model kind {kind!r}")
 
 
+def check_loads(loads: Sequence[float], what: str) -> None:
+    """Loads (trajectories per replica) must be finite and positive: ValueError naming
+    ``what`` otherwise."""
+    if not loads:
+        raise ValueError(f"{what}: at least one load is needed")
+    bad = [x for x in loads if not (isinstance(x, (int, float)) and math.isfinite(x) and x > 0)]
+    if bad:
+        raise ValueError(f"{what} must be positive finite numbers, got {bad}")
+
+
 def resolve_traces(names: Sequence[str], base_dir: Path) -> list[Path]:
     """Trace files: paths as given, else relative to the experiment, else in the nearest
     ``shared/data/traces`` above it."""
@@ -108,6 +128,8 @@ def resolve_traces(names: Sequence[str], base_dir: Path) -> list[Path]:
             candidates.append(folder / "shared" / "data" / "traces" / name)
         found = next((c for c in candidates if c.is_file()), None)
         if found is None:
+            if Path(name).exists():
+                raise FileNotFoundError(f"trace file {name} is not a file")
             raise FileNotFoundError(f"trace file not found: {name}")
         out.append(found)
     return out
@@ -224,6 +246,8 @@ def run_experiment(exp: Experiment, trace_paths: Sequence[Path] | None = None,
                    configs: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs every (configuration, load) of ``exp``; returns the report's ``results``,
     ``workload`` and ``wall_s`` (targets are added by ``war.sim.report``)."""
+    if loads is not None:
+        check_loads(loads, "loads")
     t0 = time.perf_counter()
     emit = log or (lambda _m: None)
     _STATE.clear()

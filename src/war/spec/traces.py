@@ -197,6 +197,8 @@ def parse_records(text: str, file: str) -> Iterator[TraceRecord]:
 
 def _read_text(path: Traversable, name: str) -> str:
     if not path.is_file():
+        if isinstance(path, Path) and path.exists():
+            raise FileNotFoundError(f"trace file {name} is not a file")
         raise FileNotFoundError(f"trace file not found: {name}")
     raw = path.read_bytes()
     if path.name.endswith(".gz"):

@@ -1,0 +1,93 @@
+"""Output files of WAR's commands and benchmarks.
+
+Knows: how to check, before a run that may take many minutes, that its report can be
+written where the user asked (so a mistyped path fails at once instead of after the
+work, losing it), and how to write a report so that a reader never sees half of it (a
+temporary file in the same folder, renamed over the target). Does not know what the
+reports hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "check_output_dir", "check_output_file", "output_file_arg", "write_json", "write_text_atomic",
+]
+
+
+def check_output_file(path: str | os.PathLike[str], what: str = "output file") -> Path:
+    """Checks that ``path`` can be written as a file: its folder exists (created if
+    missing) and takes new files, and ``path`` is not a folder. Writes nothing at
+    ``path`` itself. Raises ValueError naming ``what`` and the path otherwise."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{what} {p} is a folder; give a file name")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ValueError(f"{what} {p} is not writable")
+    _probe(p.parent, what, p)
+    return p
+
+
+def check_output_dir(path: str | os.PathLike[str], what: str = "output folder") -> Path:
+    """Checks that ``path`` is (or can be created as) a folder that takes new files;
+    creates it. Raises ValueError naming ``what`` and the path otherwise."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{what} {p} exists and is not a folder")
+    _probe(p, what, p)
+    return p
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Writes ``text`` (UTF-8) to ``path`` through a temporary file in the same folder,
+    renamed over ``path``: ``path`` holds either its old content or all of ``text``."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        # mkstemp makes the file private: give it the mode a plain open() would
+        # (or the replaced file's).
+        os.chmod(tmp, p.stat().st_mode & 0o7777 if p.exists() else 0o666 & ~_umask())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | os.PathLike[str], obj: Any, indent: int | None = 1) -> None:
+    """``obj`` as JSON (and a final newline), written with ``write_text_atomic``."""
+    write_text_atomic(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _probe(folder: Path, what: str, shown: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise ValueError(f"{what} {shown}: cannot write in {folder}: {reason}") from None
+
+
+def output_file_arg(value: str) -> Path:
+    """An argparse ``type=`` for an output file option: the path, checked as
+    ``check_output_file`` does (argparse reports a failure as a usage error)."""
+    import argparse
+
+    try:
+        return check_output_file(value, "output file")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

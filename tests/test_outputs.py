@@ -1,0 +1,93 @@
+"""`war.outputs`: output paths checked before a run, reports written whole."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from war.outputs import (
+    check_output_dir,
+    check_output_file,
+    output_file_arg,
+    write_json,
+    write_text_atomic,
+)
+
+
+def test_check_output_file_creates_the_folder_and_writes_nothing(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b" / "report.json"
+    assert check_output_file(target) == target
+    assert target.parent.is_dir() and not target.exists()
+    assert list(target.parent.iterdir()) == []  # the probe leaves nothing behind
+
+
+def test_check_output_file_refuses_folders_and_unwritable_places(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"--json .* is a folder"):
+        check_output_file(tmp_path, "--json")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="cannot write in"):
+        check_output_file(blocker / "out.json")
+    assert blocker.read_text() == "x"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_check_output_file_refuses_read_only_folders(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(ValueError, match="cannot write in"):
+            check_output_file(ro / "out.json")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_check_output_dir(tmp_path: Path) -> None:
+    assert check_output_dir(tmp_path / "plots").is_dir()
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not a folder"):
+        check_output_dir(tmp_path / "f", "--plots")
+
+
+def test_output_file_arg_is_an_argparse_error(tmp_path: Path) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", type=output_file_arg)
+    assert p.parse_args(["--json", str(tmp_path / "x.json")]).json == tmp_path / "x.json"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--json", str(tmp_path)])
+
+
+def test_write_json_replaces_whole_files_with_a_normal_mode(tmp_path: Path) -> None:
+    target = tmp_path / "new" / "r.json"
+    write_json(target, {"a": [1, 2]})
+    assert json.loads(target.read_text()) == {"a": [1, 2]}
+    assert target.read_text().endswith("\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask
+    target.chmod(0o640)
+    write_json(target, {"b": 1}, indent=None)
+    assert target.read_text() == '{"b": 1}\n'
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640  # the replaced file's mode
+    assert sorted(p.name for p in target.parent.iterdir()) == ["r.json"]
+
+
+def test_a_failed_write_keeps_the_old_report(tmp_path: Path) -> None:
+    target = tmp_path / "r.json"
+    target.write_text("old")
+
+    class NotText:
+        pass
+
+    with pytest.raises(TypeError):
+        write_json(target, {"x": NotText()})  # not serializable: fails before writing
+    with pytest.raises(TypeError):
+        write_text_atomic(target, NotText())  # type: ignore[arg-type]  # fails mid-write
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary left
