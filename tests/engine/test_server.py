@@ -333,6 +333,9 @@ def test_serve_reports_a_missing_model_folder(
 ) -> None:
     assert war_main(["serve", "--model", str(tmp_path / "nope")]) == 2
     assert "model folder not found" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert war_main(["serve", "--model", str(tmp_path / "file")]) == 2
+    assert "file is not a folder (--model takes" in capsys.readouterr().err
 
 
 def _free_port() -> int:

@@ -80,7 +80,9 @@ def _is_loopback(host: str) -> bool:
 def run_serve(args: argparse.Namespace) -> int:
     folder: Path = args.model
     if not folder.is_dir():
-        print(f"war: error: model folder not found: {folder}", file=sys.stderr)
+        problem = (f"{folder} is not a folder (--model takes a Hugging Face model folder)"
+                   if folder.exists() else f"model folder not found: {folder}")
+        print(f"war: error: {problem}", file=sys.stderr)
         return MISSING_MODEL_STATUS
     if not (folder / "config.json").is_file():
         print(f"war: error: {folder} has no config.json (not a Hugging Face model folder)",
