@@ -60,6 +60,9 @@ war::SpecParams make_params(int32_t max_tokens, double factor, double offset, do
   p.min_prob = min_prob;
   p.tree = tree;
   p.alpha = alpha.data();
+  p.alpha_nonincreasing = true;
+  for (size_t d = 1; d < alpha.shape(0); ++d)
+    if (!(alpha.data()[d] <= alpha.data()[d - 1])) p.alpha_nonincreasing = false;
   return p;
 }
 

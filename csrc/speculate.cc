@@ -148,6 +148,30 @@ void SuffixTree::offer(Position at, int32_t k, int32_t limit, const SpecParams& 
   }
 }
 
+namespace {
+// Skips a match length k whose string occurs exactly as often as the last longer
+// match length r tried (docs: section 3). Every occurrence of the longer string
+// ends with the shorter one, so equal counts mean the same occurrences: up to
+// max_depth - r tokens after them (which covers r's draft limit, so also k's
+// smaller one) the two positions have the same continuations with the same counts
+// and child orders. With alpha not growing with depth each of k's probabilities is
+// at most r's, computed the same way; k's draft (a chain along the same first
+// children, or a tree of the highest cumulative probabilities, emitted in
+// decreasing order) then sums terms no larger than r's, no more of them, in the
+// same order, so it scores no higher even in floating point, and ties go to the
+// longer match.
+struct SameOccurrences {
+  int32_t count = -1;   // count at the last match length tried
+  bool covers = false;  // its draft limit fits in its continuation window
+  bool skip(int32_t c, int32_t k, int32_t limit, int32_t max_depth, const SpecParams& p) {
+    if (covers && c == count) return true;
+    count = c;
+    covers = p.alpha_nonincreasing && limit <= max_depth - k;
+    return false;
+  }
+};
+}  // namespace
+
 bool SuffixTree::cannot_beat(Position at, int32_t depth, int32_t limit, const SpecParams& p,
                              double bar) const {
   const Node* cur = at.node;
@@ -171,11 +195,13 @@ void SuffixTree::speculate_into(const int32_t* ctx, size_t n, const SpecParams& 
   const int32_t cap = static_cast<int32_t>(std::min<size_t>(n, static_cast<size_t>(max_depth_)));
   if (static_cast<double>(limit_for(cap, p)) <= bar) return;  // nothing here can win
   const int32_t max_k = match_len(ctx, n);
+  SameOccurrences same;
   for (int32_t k = max_k; k >= 1; --k) {
     const int32_t limit = limit_for(k, p);
     if (static_cast<double>(limit) <= std::max(best->score, bar)) break;
     Position at;
     walk(ctx + n - k, static_cast<size_t>(k), &at);
+    if (same.skip(at.node->count, k, limit, max_depth_, p)) continue;
     if (cannot_beat(at, k, limit, p, std::max(best->score, bar))) continue;
     offer(at, k, limit, p, best);
   }
@@ -201,10 +227,12 @@ void SuffixTree::speculate_self_into(int64_t seq_id, const SpecParams& p, DraftR
     const int32_t mid = (lo + hi + 1) / 2;
     if (s.active[mid]->count >= 2) lo = mid; else hi = mid - 1;
   }
+  SameOccurrences same;
   for (int32_t k = lo; k >= 1; --k) {
     const int32_t limit = limit_for(k, p);
     if (static_cast<double>(limit) <= std::max(best->score, bar)) break;
     Node* node = s.active[k];
+    if (same.skip(node->count, k, limit, max_depth_, p)) continue;
     const Position at{node, len(node)};
     if (cannot_beat(at, k, limit, p, std::max(best->score, bar))) continue;  // e.g. nothing follows
     offer(at, k, limit, p, best);

@@ -97,6 +97,9 @@ struct SpecParams {
   double min_prob = 0.1;
   const double* alpha = nullptr;  // smoothing by depth: alpha[d], d in [0, max_depth]
   bool tree = false;
+  // alpha[d] never grows with d: a match length whose occurrences are those of a
+  // longer one cannot draft better than it and is skipped (docs: section 3).
+  bool alpha_nonincreasing = false;
 };
 
 class SuffixTree {

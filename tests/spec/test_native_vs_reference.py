@@ -676,3 +676,56 @@ def test_errors_agree() -> None:
         assert not t.contains(5)
         assert int(t.count([])) == 0
         t.check_integrity()
+
+
+@st.composite
+def repetitive_trees(draw: st.DrawFn) -> tuple[int, list[list[int]], list[Params]]:
+    """Sequences over two or three tokens built from repeated blocks: many match lengths
+    of a context occur exactly as often as the next longer one (section 3's skip)."""
+    max_depth = draw(st.integers(2, 14))
+    alphabet = st.integers(0, draw(st.integers(1, 2)))
+    seqs = []
+    for _ in range(draw(st.integers(1, 4))):
+        block = draw(st.lists(alphabet, min_size=1, max_size=6))
+        tail = draw(st.lists(alphabet, max_size=4))
+        seqs.append(block * draw(st.integers(1, 6)) + tail)
+    params = []
+    for _ in range(draw(st.integers(1, 4))):
+        a = draw(st.sampled_from([0.0, 0.3, 1.0, 2.5]))
+        decay = draw(st.sampled_from([1.0, 0.85, 0.5, 0.0]))
+        if draw(st.integers(0, 4)) == 0:  # growing with depth: the skip must stay off
+            alpha: Alpha = [a * 0.5 + 0.1 * d for d in range(max_depth + 1)]
+        else:
+            alpha = [a * decay**d for d in range(max_depth + 1)]
+        params.append((draw(st.integers(0, 2 * max_depth)),
+                       draw(st.sampled_from([0.5, 1.0, 2.0, 4.0])),
+                       draw(st.sampled_from([0.0, 1.0])),
+                       draw(st.sampled_from([0.0, 0.05, 0.2])), draw(st.booleans()), alpha))
+    return max_depth, seqs, params
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(repetitive_trees())
+def test_match_lengths_with_the_same_occurrences_skip_exactly(
+    case: tuple[int, list[list[int]], list[Params]],
+) -> None:
+    """The native trees skip a match length whose string occurs as often as a longer
+    one already tried (docs section 3); the reference tries every match length. Their
+    drafts agree exactly, from every suffix of every sequence, and for each sequence
+    drafting from its own tree."""
+    max_depth, seqs, params = case
+    nat = tree_mod.SuffixTree(max_depth)
+    ref = ReferenceSuffixTree(max_depth)
+    for sid, s in enumerate(seqs):
+        nat.append(sid, s)
+        ref.append(sid, s)
+    contexts = {tuple(s[:end]) for s in seqs for end in range(1, len(s) + 1)}
+    for p in params:
+        for ctx in sorted(contexts):
+            got = spec_of(nat.speculate(list(ctx), *p))
+            expected = spec_of(ref.speculate(list(ctx), *p))
+            assert got == expected, f"speculate({ctx}, {p})"
+        for sid in range(len(seqs)):
+            r = native_speculate_self(nat, sid, p)
+            assert r is not None
+            assert spec_of(r) == spec_of(ref.speculate(ref.sequence(sid), *p)), (sid, p)
