@@ -30,6 +30,7 @@ from war.sim.simulator import SimConfig, Simulator
 from war.sim.synthetic import SyntheticConfig, synthetic_workload
 from war.sim.workload import LatencyModel, TraceSet, Workload, build_trace_steps
 from war.spec.config import SpecConfig
+from war.spec.traces import missing_trace_file
 
 Log = Callable[[str], None]
 
@@ -128,9 +129,7 @@ def resolve_traces(names: Sequence[str], base_dir: Path) -> list[Path]:
             candidates.append(folder / "shared" / "data" / "traces" / name)
         found = next((c for c in candidates if c.is_file()), None)
         if found is None:
-            if Path(name).exists():
-                raise FileNotFoundError(f"trace file {name} is not a file")
-            raise FileNotFoundError(f"trace file not found: {name}")
+            raise missing_trace_file(Path(name), name)
         out.append(found)
     return out
 

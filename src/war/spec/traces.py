@@ -195,11 +195,17 @@ def parse_records(text: str, file: str) -> Iterator[TraceRecord]:
         yield _record(obj, file, lineno)
 
 
+def missing_trace_file(path: Traversable, name: str) -> FileNotFoundError:
+    """The error for a trace file ``name`` (at ``path``) that cannot be read as a file:
+    absent, or a folder."""
+    if isinstance(path, Path) and path.exists():
+        return FileNotFoundError(f"trace file {name} is not a file")
+    return FileNotFoundError(f"trace file not found: {name}")
+
+
 def _read_text(path: Traversable, name: str) -> str:
     if not path.is_file():
-        if isinstance(path, Path) and path.exists():
-            raise FileNotFoundError(f"trace file {name} is not a file")
-        raise FileNotFoundError(f"trace file not found: {name}")
+        raise missing_trace_file(path, name)
     raw = path.read_bytes()
     if path.name.endswith(".gz"):
         try:
