@@ -13,6 +13,7 @@ from war.sim.sequence import SimSeq
 from war.sim.simulator import SimConfig, Simulator, fitting_turns
 from war.sim.workload import SimTrajectory, SimTurn, Workload
 from war.spec.config import SpecConfig
+from war.spec.speculator import SuffixSpeculator
 from war.types import GenRequest, SamplingParams
 
 A, B, C = 0.01, 0.001, 0.0  # intercept, per batch token, per context token
@@ -254,3 +255,43 @@ def test_a_response_helps_drafts_on_another_replica_only_when_history_is_shared(
     else:
         assert second.accepted > 150  # most of the 200 tokens come from a's response
         assert d1.spec.num_history_entries >= 1
+
+
+@pytest.mark.parametrize("mode", ["always", "auto"])
+def test_replicas_keep_one_tree_per_trajectory_with_the_same_drafts(mode: str) -> None:
+    """With one history, the replicas keep one tree per trajectory between them: round
+    robin moves every turn, and the results are those of one map per replica (as
+    engines keep them, each catching a returning trajectory up) over the same
+    speculator."""
+    from war import data
+    from war.sim.workload import LatencyModel, TraceSet, build_trace_steps
+
+    traces = TraceSet.load([data.resource(data.SAMPLE_TRACES)])
+    wl = build_trace_steps(traces, 2, 2, latency=LatencyModel(seed=1), seed=1)
+    spec = SpecConfig()
+    cfg = SimConfig(num_replicas=3, policy="round_robin", spec=spec,
+                    replica=ReplicaConfig(spec_mode=mode, num_kv_blocks=4096))
+    one = Simulator(cfg, LinearCost(A, B, C), wl)
+    shared = SuffixSpeculator(spec)
+    apart = Simulator(cfg, LinearCost(A, B, C), wl, make_drafter=lambda i: LiveDrafter(
+        spec, shared=shared, first_id=i << 40))
+    a, b = one.run(), apart.run()
+    assert a.migrations > 0
+    assert a.summary() == b.summary()
+    assert [m.accepted for m in a.steps] == [m.accepted for m in b.steps]
+    drafters = [r.drafter for r in one.replicas]
+    assert all(isinstance(d, LiveDrafter) and d.drafts is drafters[0].drafts  # type: ignore[union-attr]
+               for d in drafters)
+    idle_apart = sum(r.drafter.drafts.num_idle for r in apart.replicas)  # type: ignore[union-attr]
+    assert drafters[0].drafts.num_idle < idle_apart  # type: ignore[union-attr]
+
+
+def test_a_trajectory_map_must_belong_to_the_shared_speculator() -> None:
+    from war.engine.drafting import TrajectoryDrafts
+
+    spec = SpecConfig()
+    other = TrajectoryDrafts(SuffixSpeculator(spec), 16)
+    with pytest.raises(ValueError, match="shared speculator"):
+        LiveDrafter(spec, shared=SuffixSpeculator(spec), trajectories=other)
+    with pytest.raises(ValueError, match="shared speculator"):
+        LiveDrafter(spec, trajectories=other)

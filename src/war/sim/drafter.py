@@ -88,15 +88,25 @@ def accepted_path(token_ids: Sequence[int], parents: Sequence[int], target: Sequ
 
 class LiveDrafter:
     """The real suffix speculator (module docstring). ``shared``: a speculator that
-    other replicas' drafters use too, so that they draw on one history (each
-    keeps its own trajectories, under ids from ``first_id`` on); ``share`` is then
-    a no-op."""
+    other replicas' drafters use too, so that they draw on one history; ``share`` is
+    then a no-op. Each drafter keeps its own trajectories (under ids from
+    ``first_id`` on), as each engine does, unless ``trajectories``, the map of a
+    drafter over the same speculator, is given: then the replicas keep one tree per
+    trajectory between them. The drafts are the same either way (a trajectory's
+    tree is built from its tokens, in order, whichever replica appends them); one
+    map only spares a replica that a trajectory comes back to the catch-up of
+    appending every token since its last turn there, host work that a step's cost
+    does not include."""
 
     def __init__(self, config: SpecConfig, max_idle: int = 4096,
-                 shared: SuffixSpeculator | None = None, first_id: int = 0) -> None:
+                 shared: SuffixSpeculator | None = None, first_id: int = 0,
+                 trajectories: TrajectoryDrafts | None = None) -> None:
+        if trajectories is not None and trajectories.spec is not shared:
+            raise ValueError("trajectories must map onto the shared speculator")
         self.spec = shared if shared is not None else SuffixSpeculator(config)
         self.shares_history = shared is not None
-        self.drafts = TrajectoryDrafts(self.spec, max_idle, first_id)
+        self.drafts = (trajectories if trajectories is not None
+                       else TrajectoryDrafts(self.spec, max_idle, first_id))
         self.max_spec_tokens = config.max_spec_tokens
         self._last: BatchDrafts | None = None
         self._seqs: Sequence[SimSeq] = ()

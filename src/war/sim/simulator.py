@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from war.engine.drafting import TrajectoryDrafts
 from war.engine.spec_policy import SpecPolicy, SpecPolicyConfig
 from war.router.policies import make_policy
 from war.router.policies.base import ReplicaView, RoutingPolicy
@@ -109,10 +110,12 @@ class Simulator:
         elif config.share_history:
             # One history for every replica: what forwarding every completed response
             # to every replica gives (with its lead-in, as the router forwards it), in
-            # one pair of trees instead of one per replica.
+            # one pair of trees instead of one per replica; and one tree per
+            # trajectory between the replicas (the same drafts: LiveDrafter).
             shared = SuffixSpeculator(config.spec)
-            make = lambda i: LiveDrafter(config.spec, shared=shared,  # noqa: E731
-                                         first_id=i << 40)
+            trajectories = TrajectoryDrafts(shared, 4096 * config.num_replicas)
+            make = lambda _i: LiveDrafter(config.spec, shared=shared,  # noqa: E731
+                                          trajectories=trajectories)
         else:
             make = lambda _i: LiveDrafter(config.spec)  # noqa: E731
         width = len(str(config.num_replicas - 1))
