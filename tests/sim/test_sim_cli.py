@@ -126,3 +126,74 @@ def test_sim_on_small_traces_merges_loads_and_cuts_long_trajectories(
     err = capsys.readouterr().err
     assert "load 24: the traces give the same workload as load 12" in err
     assert "beyond the KV:" in err
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("configs:\n", "configs:\n  bad: {policy: nope}\n",
+     "configuration 'bad': unknown routing policy 'nope'"),
+    ("  war: {policy: war, spec_mode: auto}",
+     "  war: {policy: war, spec_mode: auto, policy_settings: {bogus: 1}}",
+     "configuration 'war': policy_settings: "),
+    ("replica: {max_num_batched_tokens: 4096}", "replica: {max_num_batched_tokens: 4096, x: 1}",
+     "replica: unknown setting(s) ['x']"),
+    ("replica: {max_num_batched_tokens: 4096}", "replica: {max_num_batched_tokens: lots}",
+     "replica.max_num_batched_tokens must be an int, got 'lots'"),
+    ("sim: {num_replicas: 2, timeline_s: 0.5}", "sim: {num_replicas: two}",
+     "sim.num_replicas must be an int, got 'two'"),
+    ("sim: {num_replicas: 2, timeline_s: 0.5}", "sim: {num_replicas: 2, max_tokens: '99'}",
+     "sim.max_tokens must be an int, got '99'"),
+    ("cost: {kind: linear,", "cost: {kind: linear, bogus: 1,",
+     "cost: unknown setting(s) ['bogus']"),
+    ("cost: {kind: linear,", "cost: {kind: profile,", "cost: a profile needs a curve"),
+    ("rl_steps: 1", "rl_steps: 0", "workload.rl_steps must be >= 1, got 0"),
+    ("rl_steps: 1", "rl_steps: 1.5", "workload.rl_steps must be an int, got 1.5"),
+    ("rl_steps: 1", "rl_steps: 1, group_size: 0", "workload.group_size must be >= 1"),
+    ("rl_steps: 1", "rl_steps: 1, seed: zero", "workload.seed must be an int, got 'zero'"),
+    ("rl_steps: 1", "rl_steps: 1, tasks: 3", "workload: unknown setting(s) ['tasks']"),
+    ("user_median_s: 0.5}", "user_median_s: 0.5, p99: 3}",
+     "workload.latency: unknown setting(s) ['p99']"),
+    ("user_median_s: 0.5}", "user_median_s: fast}",
+     "workload.latency.user_median_s must be a float, got 'fast'"),
+    ("replica: {max_num_batched_tokens: 4096}", "replica: {max_num_batched_tokens: 4096}\n"
+     "spec: {min_prob: 2}", "spec: min_prob must be <= 1.0, got 2"),
+    ("  rr_nospec: {policy: round_robin, spec_mode: \"off\"}",
+     "  rr_nospec: {policy: round_robin, spec_mode: \"off\", replica: 3}",
+     "configuration 'rr_nospec': replica must be a mapping of settings, got 3"),
+    ("name: tiny", "name: tiny\ntraces: one.jsonl", "traces must be a list of file names"),
+    ("cost: {kind: linear, intercept_s: 0.01, per_token_s: 1.0e-5, kv_tokens: 200000}", "",
+     "missing section(s) ['cost']"),
+    ("loads: [2]", "loads: [2]\nplot_load: big", "plot_load must be positive finite numbers"),
+])
+def test_sim_refuses_bad_experiment_settings_before_running(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], old: str, new: str,
+        message: str) -> None:
+    """Every setting of an experiment file is checked when it is read: an unknown
+    setting, a value of the wrong type or out of range is one error line naming the
+    section and setting (never a traceback), before traces are loaded or anything runs,
+    so no run's report is lost to a configuration that fails later in the sweep."""
+    assert old in EXPERIMENT
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(EXPERIMENT.replace(old, new, 1))
+    out = tmp_path / "out.json"
+    traces = str(data.resource(data.SAMPLE_TRACES))
+    assert main(["sim", "--config", str(cfg), "--traces", traces, "--json", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"war: error: {cfg}: ") and message in err and err.count("\n") == 1
+    assert "traces:" not in err
+    assert not out.exists()
+
+
+def test_sim_checks_every_loads_workload_before_running(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A group size the traces cannot fill at one load fails before the first run."""
+    cfg = tmp_path / "groups.yaml"
+    cfg.write_text(EXPERIMENT.replace("rl_steps: 1", "rl_steps: 1, group_size: 9")
+                   .replace("loads: [2]", "loads: [1, 2]"))
+    out = tmp_path / "out.json"
+    traces = str(data.resource(data.SAMPLE_TRACES))
+    assert main(["sim", "--config", str(cfg), "--traces", traces, "--json", str(out),
+                 "--workers", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "war: error: load 1: " in err and "need more trials of task" in err
+    assert "tok/s" not in err  # no run was made
+    assert not out.exists()

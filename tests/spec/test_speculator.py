@@ -307,6 +307,8 @@ def test_bad_ids_and_budgets_change_nothing() -> None:
         (lambda: s.propose([1], budgets=-1), "budget"),
         (lambda: s.propose([1], budgets=[1, 2]), "budgets for 1"),
         (lambda: s.propose([1], budgets=[1.5]), "budgets must be ints"),
+        (lambda: s.propose([1], budgets=2.5), "budgets must be an int or a sequence"),
+        (lambda: s.propose([1], budgets="3"), "budgets must be an int or a sequence"),
         (lambda: s.start(True, [1]), "sequence id"),
         (lambda: s.start(2**64, [1]), "int64"),
         (lambda: s.start(2, [1], group_id=["unhashable"]), "hashable"),

@@ -14,13 +14,16 @@ import dataclasses
 import math
 import multiprocessing
 import time
+import types
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
+from war.router.policies import POLICIES, make_policy
 from war.sim.acceptance import AcceptanceTable, record_acceptance
 from war.sim.costs import CostModel, LinearCost, RooflineCost
 from war.sim.drafter import CachedDrafter, Drafter
@@ -33,6 +36,10 @@ from war.spec.config import SpecConfig
 from war.spec.traces import missing_trace_file
 
 Log = Callable[[str], None]
+T = TypeVar("T")
+
+TRACE_WORKLOAD_KEYS = ("kind", "rl_steps", "group_size", "copies", "seed", "latency")
+"""Settings of a ``kind: traces`` workload section."""
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,17 @@ class Experiment:
         check_loads(self.loads, "loads")
         if self.drafts not in ("live", "cached"):
             raise ValueError(f"drafts must be 'live' or 'cached', got {self.drafts!r}")
+        for section in ("workload", "cost", "replica", "spec", "sim"):
+            if not isinstance(getattr(self, section), Mapping):
+                raise ValueError(f"{section} must be a mapping of settings, "
+                                 f"got {getattr(self, section)!r}")
         if self.workload.get("kind", "traces") not in ("traces", "synthetic"):
             raise ValueError(f"unknown workload kind {self.workload.get('kind')!r}")
+        if self.plot_load is not None:
+            check_loads([self.plot_load], "plot_load")
+        if not all(isinstance(t, str) for t in self.traces):
+            raise ValueError(f"traces must be a list of file names, got {list(self.traces)!r}")
+        check_experiment(self)
 
     @classmethod
     def load(cls, path: str | Path) -> Experiment:
@@ -76,17 +92,35 @@ class Experiment:
             raise ValueError(f"{p}: not a valid YAML file: {e}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{p}: an experiment file is a mapping")
+        try:
+            return cls._from_mapping(raw, p)
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
+
+    @classmethod
+    def _from_mapping(cls, raw: dict[str, Any], p: Path) -> Experiment:
         known = {f.name for f in dataclasses.fields(cls)} - {"base_dir"}
         unknown = set(raw) - known
         if unknown:
-            raise ValueError(f"{p}: unknown section(s) {sorted(unknown)}")
+            raise ValueError(f"unknown section(s) {sorted(unknown)}")
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING and f.name != "base_dir"]
+        missing = [name for name in required if name not in raw and name != "name"]
+        if missing:
+            raise ValueError(f"missing section(s) {missing}")
+        if not isinstance(raw.get("configs"), dict):
+            raise ValueError(f"configs must map names to configurations, "
+                             f"got {raw.get('configs')!r}")
         raw["base_dir"] = p.resolve().parent
         loads = raw.get("loads", ())
         if not isinstance(loads, list) or not all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) for x in loads):
-            raise ValueError(f"{p}: loads must be a list of numbers, got {loads!r}")
+            raise ValueError(f"loads must be a list of numbers, got {loads!r}")
         raw["loads"] = tuple(float(x) for x in loads)
-        raw["traces"] = tuple(raw.get("traces", ()))
+        traces = raw.get("traces", [])
+        if not isinstance(traces, list):
+            raise ValueError(f"traces must be a list of file names, got {traces!r}")
+        raw["traces"] = tuple(traces)
         raw.setdefault("name", p.stem)
         return cls(**raw)
 
@@ -96,17 +130,109 @@ def build_cost(spec: Mapping[str, Any], base_dir: Path) -> CostModel:
     args = dict(spec)
     kind = args.pop("kind", "roofline")
     if kind == "roofline":
-        return RooflineCost(**args)
+        return build_section(RooflineCost, "cost", args)
     if kind == "linear":
-        return LinearCost(**args)
+        return build_section(LinearCost, "cost", args)
     if kind == "profile":
+        if "curve" not in args:
+            raise ValueError("cost: a profile needs a curve (a cost_curve JSON file)")
         curve = base_dir / str(args.pop("curve"))
-        fit = ProfileCost.fit(load_cost_curve(curve, args.pop("context", None)),
-                              args.pop("kv_tokens", None))
+        context, kv_tokens = args.pop("context", None), args.pop("kv_tokens", None)
         if args:
-            raise ValueError(f"unknown profile settings {sorted(args)}")
-        return fit
+            raise ValueError(f"cost: unknown profile setting(s) {sorted(args)}; "
+                             "known: ['context', 'curve', 'kind', 'kv_tokens']")
+        _check_value("cost.context", context, int | None)
+        _check_value("cost.kv_tokens", kv_tokens, int | None)
+        return ProfileCost.fit(load_cost_curve(curve, context), kv_tokens)
     raise ValueError(f"unknown cost model kind {kind!r}")
+
+
+def build_section(cls: type[T], section: str, values: Mapping[str, Any],
+                  **fixed: Any) -> T:
+    """``cls(**values, **fixed)`` for a dataclass that a section of an experiment file
+    configures: an unknown setting, a value of the wrong type (an int, a float, a bool,
+    a string or null where the field's annotation says so) or one that ``cls`` refuses
+    raises ValueError naming the section and the setting, never a TypeError."""
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{section} must be a mapping of settings, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    known = sorted(f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                   if f.init and f.name not in fixed)
+    unknown = sorted(str(k) for k in values if k not in known)
+    if unknown:
+        raise ValueError(f"{section}: unknown setting(s) {unknown}; known: {known}")
+    for key, value in values.items():
+        _check_value(f"{section}.{key}", value, hints[key])
+    try:
+        return cls(**values, **fixed)
+    except ValueError as e:
+        raise ValueError(f"{section}: {e}") from None
+
+
+def _check_value(name: str, value: Any, annotation: Any) -> None:
+    """ValueError unless ``value`` fits ``annotation`` (checked: int, float, bool, str,
+    None and unions of them; an int is a float, a bool is neither; others pass)."""
+    options = (typing.get_args(annotation)
+               if isinstance(annotation, types.UnionType) or typing.get_origin(annotation)
+               is typing.Union else (annotation,))
+    checkable = {int, float, bool, str, type(None)}
+    if not all(o in checkable for o in options):
+        return
+    for o in options:
+        if o is type(None) and value is None:
+            return
+        if o is bool and isinstance(value, bool):
+            return
+        if o is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if o is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if o is str and isinstance(value, str):
+            return
+    names = " or ".join("null" if o is type(None) else o.__name__ for o in options)
+    raise ValueError(f"{name} must be {'an' if names[0] in 'aeiou' else 'a'} {names}, "
+                     f"got {value!r}")
+
+
+def check_experiment(exp: Experiment) -> None:
+    """Builds what every run of ``exp`` builds from its sections (cost model, each
+    configuration's settings and routing policy, the workload's settings) so that a bad
+    setting is one ValueError before anything runs, not a failure in the middle of a
+    sweep. What needs the traces (enough trials for the group size) is checked by
+    ``check_workloads``."""
+    build_cost(exp.cost, exp.base_dir)
+    for name, config in exp.configs.items():
+        try:
+            sim = sim_config(exp, config)
+            try:
+                make_policy(sim.policy, **sim.policy_settings)
+            except KeyError as e:
+                raise ValueError(str(e).strip("'\"")) from None
+            except TypeError as e:
+                raise ValueError(f"policy_settings: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"configuration {name!r}: {e}") from None
+    w = dict(exp.workload)
+    kind = w.pop("kind", "traces")
+    _check_value("workload.rl_steps", w.pop("rl_steps", 1), int)
+    if exp.workload.get("rl_steps", 1) < 1:
+        raise ValueError(f"workload.rl_steps must be >= 1, got {exp.workload['rl_steps']}")
+    if kind == "synthetic":
+        build_section(SyntheticConfig, "workload", w)
+        return
+    unknown = sorted(str(k) for k in w if k not in TRACE_WORKLOAD_KEYS)
+    if unknown:
+        raise ValueError(f"workload: unknown setting(s) {unknown}; "
+                         f"known: {sorted(TRACE_WORKLOAD_KEYS)}")
+    group_size = w.get("group_size")
+    _check_value("workload.group_size", group_size, int | None)
+    if group_size is not None and group_size < 1:
+        raise ValueError(f"workload.group_size must be >= 1 (or null: every trial), "
+                         f"got {group_size}")
+    _check_value("workload.copies", w.get("copies", False), bool)
+    _check_value("workload.seed", w.get("seed", 0), int)
+    build_section(LatencyModel, "workload.latency", w.get("latency", {}),
+                  seed=w.get("seed", 0))
 
 
 def check_loads(loads: Sequence[float], what: str) -> None:
@@ -141,7 +267,7 @@ def build_workload(exp: Experiment, load: float, traces: TraceSet | None) -> Wor
     replicas = int(exp.sim.get("num_replicas", 4))
     rl_steps = int(w.pop("rl_steps", 1))
     if kind == "synthetic":
-        cfg = SyntheticConfig(**w)
+        cfg = build_section(SyntheticConfig, "workload", w)
         groups = max(1, round(load * replicas / cfg.group_size))
         return synthetic_workload(cfg, groups, rl_steps)
     if traces is None:
@@ -149,7 +275,7 @@ def build_workload(exp: Experiment, load: float, traces: TraceSet | None) -> Wor
     group_size = w.pop("group_size", None)
     copies = bool(w.pop("copies", False))
     seed = int(w.pop("seed", 0))
-    latency = LatencyModel(**w.pop("latency", {}), seed=seed)
+    latency = build_section(LatencyModel, "workload.latency", w.pop("latency", {}), seed=seed)
     if w:
         raise ValueError(f"unknown workload settings {sorted(w)}")
     per_step, rl_steps = trace_shape(exp, load, traces)
@@ -180,6 +306,16 @@ def trace_shape(exp: Experiment, load: float, traces: TraceSet) -> tuple[int, in
     return per_step, rl_steps
 
 
+def check_workloads(exp: Experiment, loads: Sequence[float], traces: TraceSet | None) -> None:
+    """Builds the workload of every load once (a trace workload at a load asking for more
+    trials of a task than the traces hold fails here, before any run), then drops it."""
+    for load in loads:
+        try:
+            build_workload(exp, load, traces)
+        except ValueError as e:
+            raise ValueError(f"load {load:g}: {e}") from None
+
+
 def workload_key(exp: Experiment, load: float, traces: TraceSet | None) -> Any:
     """What decides the workload at ``load``: loads with equal keys run the same
     trajectories (a trace workload's tasks per step and steps; the load itself
@@ -193,15 +329,24 @@ def sim_config(exp: Experiment, config: Mapping[str, Any]) -> SimConfig:
     c = dict(config)
     policy = c.pop("policy")
     settings = c.pop("policy_settings", {})
-    replica = {**exp.replica, **c.pop("replica", {})}
+    own = c.pop("replica", {})
+    if not isinstance(own, Mapping):
+        raise ValueError(f"replica must be a mapping of settings, got {own!r}")
+    replica = {**exp.replica, **own}
     if "spec_mode" in c:
         replica["spec_mode"] = c.pop("spec_mode")
     if c:
         raise ValueError(f"unknown configuration settings {sorted(c)}")
-    spec = SpecConfig(**exp.spec)
+    if not isinstance(policy, str):
+        raise ValueError(f"policy must be a name, got {policy!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown routing policy {policy!r}; known: {', '.join(POLICIES)}")
+    if not isinstance(settings, Mapping):
+        raise ValueError(f"policy_settings must be a mapping, got {settings!r}")
+    spec = build_section(SpecConfig, "spec", exp.spec)
     replica.setdefault("max_spec_tokens", spec.max_spec_tokens)
-    return SimConfig(policy=policy, policy_settings=settings, replica=ReplicaConfig(**replica),
-                     spec=spec, **exp.sim)
+    return build_section(SimConfig, "sim", exp.sim, policy=policy, policy_settings=settings,
+                         replica=build_section(ReplicaConfig, "replica", replica), spec=spec)
 
 
 # ------------------------------------------------------------------ running
@@ -218,7 +363,8 @@ def _run_one(job: tuple[str, float]) -> dict[str, Any]:
     if exp.drafts == "cached":
         table: AcceptanceTable = _STATE.setdefault("table", AcceptanceTable())
         t0 = time.perf_counter()
-        record_acceptance([t for s in workload.steps for t in s], SpecConfig(**exp.spec), table)
+        record_acceptance([t for s in workload.steps for t in s],
+                          build_section(SpecConfig, "spec", exp.spec), table)
         _STATE["record_s"] = _STATE.get("record_s", 0.0) + time.perf_counter() - t0
         make = lambda _i: CachedDrafter(table)  # noqa: E731
     t0 = time.perf_counter()
@@ -272,6 +418,7 @@ def run_experiment(exp: Experiment, trace_paths: Sequence[Path] | None = None,
             continue
         first[key] = ld
         run_loads.append(ld)
+    check_workloads(exp, run_loads, _STATE.get("traces"))
     plot = exp.plot_load if exp.plot_load is not None else max(loads or exp.loads)
     _STATE["plot_load"] = same_as.get(plot, plot)
     jobs = [(n, ld) for ld in run_loads for n in names]

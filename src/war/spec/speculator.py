@@ -20,7 +20,7 @@ Not thread-safe: one engine loop owns a speculator.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -277,7 +277,7 @@ class SuffixSpeculator:
         if isinstance(budgets, (int, np.integer)) and not isinstance(budgets, bool):
             values = [int(budgets)] * n
         else:
-            if isinstance(budgets, (str, bytes, bool)):
+            if isinstance(budgets, (str, bytes, bool)) or not isinstance(budgets, Iterable):
                 raise ValueError(f"budgets must be an int or a sequence of ints, got {budgets!r}")
             values = []
             for b in budgets:
