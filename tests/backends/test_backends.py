@@ -409,6 +409,30 @@ def dying_server(behaviour: str) -> Iterator[str]:
         listener.close()
 
 
+def test_load_and_health_of_a_hung_replica_are_bounded_by_the_health_timeout() -> None:
+    # a replica that accepts connections but never answers: its probes fail within
+    # health_timeout_s, not a whole generation's timeout_s
+    with dying_server("hang") as url:
+        backend = WarHttpBackend("hung", url, timeout_s=30.0, health_timeout_s=0.3)
+
+        async def go() -> None:
+            t0 = time.monotonic()
+            with pytest.raises(ReplicaUnavailable, match="timed out"):
+                await backend.load()
+            assert not await backend.health()
+            assert time.monotonic() - t0 < 3
+            await backend.close()
+
+        run(go(), timeout_s=10)
+
+
+def test_an_explicit_port_is_kept() -> None:
+    # port 0 is not the default port (``or`` made it 80); make_backend refuses it
+    assert WarHttpBackend("z", "http://127.0.0.1:0")._http._port == 0
+    assert WarHttpBackend("d", "http://127.0.0.1")._http._port == 80
+    assert WarHttpBackend("t", "https://host.example")._http._port == 443
+
+
 @pytest.mark.parametrize("behaviour", ["close", "reset", "hang"])
 def test_server_dying_mid_request_is_unavailable(behaviour: str) -> None:
     with dying_server(behaviour) as url:
@@ -1030,6 +1054,8 @@ def test_make_backend_parses_specs() -> None:
     ("war+http://", "no host"),
     ("war+http://127.0.0.1:99999", "bad port"),
     ("war+http://127.0.0.1:abc", "bad port"),
+    ("war+http://127.0.0.1:0", "port 0"),
+    ("sglang+http://127.0.0.1:0/?name=s", "port 0"),
     ("war+http://user:pw@127.0.0.1:8000", "credentials"),
     ("war+http://127.0.0.1:8000/?model=x", "unknown parameter 'model'"),
     ("war+http://127.0.0.1:8000/?name=a&name=b", "given twice"),

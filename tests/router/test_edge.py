@@ -258,6 +258,47 @@ def test_malformed_requests_and_upgrades() -> None:
             assert c.get("/health").status_code == 200
 
 
+def test_upgrade_requests_are_answered_over_http11_with_their_body() -> None:
+    # what ``curl --http2`` sends to an http:// URL: the upgrade is ignored, the body read
+    echo = Echo()
+    h2c = "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABk\r\n"
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()},
+                 EdgeConfig(max_body_bytes=32)) as (h, p, _):
+        out = raw(p, post("/v1/completions", b"hello", h2c))
+        assert out.startswith(b"HTTP/1.1 200") and b'"body":"hello"' in out
+        assert b"connection: close" in out and out.count(b"HTTP/1.1 ") == 1
+        assert echo.calls[-1][1]["upgrade"] == "h2c"  # the request's own headers
+        # a chunked body arriving after the head, and with Expect: 100-continue
+        with socket.create_connection(("127.0.0.1", p), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                         b"Upgrade: websocket\r\nExpect: 100-continue\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            assert sock.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            sock.sendall(b"3\r\nabc\r\n")
+            time.sleep(0.1)
+            sock.sendall(b"2\r\nde\r\n0\r\n\r\n")
+            got = b""
+            while chunk := sock.recv(65536):
+                got += chunk
+        assert got.startswith(b"HTTP/1.1 200") and b'"body":"abcde"' in got
+        # a request before it is answered; what comes after it is not read (the
+        # connection closes after it, as documented)
+        out = raw(p, post("/v1/completions", b"first") + post("/v1/completions", b"up", h2c)
+                  + post("/v1/completions", b"after") + b"NOT HTTP\r\n\r\n")
+        assert out.count(b"HTTP/1.1 200") == 2 and out.count(b"HTTP/1.1 ") == 2, out
+        assert out.index(b'"body":"first"') < out.index(b'"body":"up"')
+        assert b"after" not in out and [c[0] for c in echo.calls][-2:] == [b"first", b"up"]
+        # the body's size limit holds for it too
+        out = raw(p, post("/v1/completions", b"x" * 40, h2c))
+        assert out.startswith(b"HTTP/1.1 413")
+        out = raw(p, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                     b"Upgrade: h2c\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"20\r\n" + b"y" * 32 + b"\r\n20\r\n" + b"z" * 32 + b"\r\n0\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 413")
+        with httpx.Client(base_url=f"http://{h}:{p}") as c:
+            assert c.post("/v1/completions", content=b"next").status_code == 200
+
+
 def test_streamed_head_and_failing_asgi_responses() -> None:
     with running(side_app([]), {}) as (h, p, _):
         out = raw(p, b"GET /stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -321,6 +362,25 @@ def test_a_stalled_partial_request_closes_after_the_read_timeout() -> None:
             assert s.recv(65536) == b""  # closed: the rest never came
             assert 0.2 < time.monotonic() - t0 < 3.0
         assert not echo.calls and wait_for(lambda: len(edge.connections) == 0)
+
+
+def test_a_request_arriving_when_its_predecessor_is_answered_gets_the_read_timeout() -> None:
+    # the next request has begun arriving: it must keep coming within read_timeout_s,
+    # not within the (shorter) keep-alive limit of an idle connection
+    echo = Echo()
+    config = EdgeConfig(keepalive_s=0.2, read_timeout_s=3.0)
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}, config) as (
+            _, p, _):
+        with socket.create_connection(("127.0.0.1", p), timeout=5) as s:
+            second = post("/v1/completions", b"second", "Connection: close\r\n")
+            s.sendall(post("/v1/completions", b"first") + second[:20])
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            time.sleep(0.7)  # past keepalive_s
+            s.sendall(second[20:])
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+        assert got.startswith(b"HTTP/1.1 200") and b'"body":"second"' in got
 
 
 def test_a_slow_upload_that_keeps_sending_is_answered() -> None:

@@ -170,6 +170,80 @@ def test_failover_retries_elsewhere_with_the_whole_context() -> None:
     assert len(policy.down) == 1 and (policy.down[0], False) in policy.completed
 
 
+class Placed:
+    """A policy that places requests as scripted (names in turn) and never says that a
+    trajectory moved, as ``round_robin`` does not."""
+
+    name = "placed"
+
+    def __init__(self, *names: str) -> None:
+        self.names = list(names)
+        self.completed: list[tuple[str, str, bool]] = []
+
+    def select(self, request: GenRequest, replicas: list[ReplicaView], now: float) -> Decision:
+        return Decision(self.names.pop(0))
+
+    def on_complete(self, request: GenRequest, result: GenResult | None, replica: str,
+                    now: float) -> None:
+        self.completed.append((request.request_id, replica, result is not None))
+
+    def on_replica_down(self, replica: str, now: float) -> None:
+        pass
+
+
+def test_a_continuing_turn_goes_whole_to_any_replica_but_its_home() -> None:
+    # turn 0 on a, turn 1 on b, turn 2 back on a (which holds turn 0's context only),
+    # turn 3 on a again (its home now), turn 4 on c which fails, retried on b (which
+    # holds turn 1's context)
+    reps = {n: Echo(n) for n in "abc"}
+    policy = Placed("a", "b", "a", "a", "c", "b")
+    r = Router(reps, policy, RouterConfig(), clock=lambda: 0.0)  # type: ignore[arg-type]
+    ref = Echo("ref")
+
+    async def main() -> None:
+        context: list[int] = []
+        for i, new in enumerate([(1, 2, 3), (4, 5), (6,), (7,), (8,)]):
+            if i == 4:
+                reps["c"].fail_next = 1
+            res, where = await r.route(GenRequest(f"t/{i}", new, SP, trajectory_id="t",
+                                                  continues=i > 0))
+            context += new
+            want = await ref.generate(GenRequest("x", tuple(context), SP))
+            assert res.output_ids == want.output_ids, f"turn {i} on {where}"
+            assert res.num_prompt_tokens == len(context)
+            context += res.output_ids
+            sent = reps[where].requests[-1]
+            # only the home of the last turn is sent the new tokens alone
+            assert sent.continues == (i == 3), f"turn {i}"
+
+    asyncio.run(main())
+    assert r.stats.retries == 1 and r.stats.completed == 5
+
+
+def test_a_continuing_turn_moved_without_its_context_goes_back_to_the_client() -> None:
+    # the context is not held (too large): a turn placed away from its home cannot be
+    # sent whole, and sending its new tokens there would extend a stale context
+    reps = {n: Echo(n) for n in "ab"}
+    policy = Placed("a", "b", "a", "b")
+    r = Router(reps, policy, RouterConfig(max_context_tokens=4),  # type: ignore[arg-type]
+               clock=lambda: 0.0)
+
+    async def main() -> None:
+        await r.route(GenRequest("t/0", (1, 2, 3), SP, trajectory_id="t"))
+        await r.route(GenRequest("t/1", (4, 5, 6), SP, trajectory_id="t"))  # whole, on b
+        with pytest.raises(UnknownTrajectory, match="send the whole context"):
+            await r.route(GenRequest("t/2", (7,), SP, trajectory_id="t", continues=True))
+        assert len(reps["a"].requests) == 1  # nothing sent
+        assert policy.completed[-1] == ("t/2", "a", False)  # the policy forgets it
+        # at its home, it continues
+        res, where = await r.route(GenRequest("t/3", (7,), SP, trajectory_id="t",
+                                              continues=True))
+        assert where == "b" and res.num_prompt_tokens == 3 + 3 + 1
+
+    asyncio.run(main())
+    assert r.stats.failed == 1
+
+
 def test_unknown_trajectory_is_resent_whole_and_down_replicas_rejoin() -> None:
     r, reps, _ = router("a")
 
@@ -284,6 +358,56 @@ def test_health_loop_runs_and_stops() -> None:
             assert r.replicas["a"].load is not None
 
     asyncio.run(main())
+
+
+class Hung(Echo):
+    """A replica that accepts calls but never answers them (its health check too,
+    once ``health_hangs``)."""
+
+    health_hangs = False
+
+    async def load(self) -> ReplicaLoad:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def health(self) -> bool:
+        if self.health_hangs:
+            await asyncio.Event().wait()
+        return True
+
+
+def test_a_hung_replica_holds_up_no_other_health_check_and_is_marked_down() -> None:
+    reps: dict[str, Echo] = {"a": Hung("a"), "b": Echo("b")}
+    policy = Sticky()
+    r = Router(reps, policy, RouterConfig(health_timeout_s=0.3),  # type: ignore[arg-type]
+               clock=lambda: 0.0)
+    r._mark_down("b", RuntimeError("it failed earlier"))  # ... and answers again now
+
+    async def main() -> None:
+        t0 = asyncio.get_running_loop().time()
+        round_ = asyncio.create_task(r.check_health())
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if r.replicas["b"].healthy:
+                break
+        # b is back (with its load) while a's check still hangs
+        assert r.replicas["b"].healthy and r.replicas["b"].load is not None
+        assert not round_.done() and r.replicas["a"].healthy
+        await asyncio.wait_for(round_, 5)
+        assert asyncio.get_running_loop().time() - t0 < 2
+        # a's check ran out of its bound: a is down, and its requests go elsewhere
+        assert not r.replicas["a"].healthy and policy.down == ["b", "a"]
+        assert r.replicas["a"].failures == 1
+        # a down replica whose health check hangs stays down, without a new failure
+        reps["a"].health_hangs = True  # type: ignore[attr-defined]
+        await asyncio.wait_for(r.check_health(), 5)
+        assert not r.replicas["a"].healthy and r.replicas["a"].failures == 1
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="health_timeout_s"):
+        RouterConfig(health_timeout_s=0)
+    with pytest.raises(ValueError, match="health_timeout_s"):
+        RouterConfig(health_timeout_s=float("inf"))
 
 
 def test_finish_trajectory_drops_the_context_and_tells_the_policy() -> None:

@@ -192,6 +192,7 @@ def test_several_prompts_are_several_choices() -> None:
     ({"prompt": [[1], [2, True]], "max_tokens": 1}, "prompt[1]: token ids must be ints"),
     ({"prompt": [1, -2], "max_tokens": 1}, "negative"),
     ({"prompt": [1], "max_tokens": None}, "max_tokens is required"),
+    ({"prompt": [1]}, "max_tokens is required"),  # (not the replica's default of 16)
     ({"prompt": [1], "max_tokens": 0}, "max_tokens must be >= 1"),
     ({"prompt": [1], "max_tokens": 1, "n": 2}, "n must be 1"),
     ({"prompt": [1], "max_tokens": 1, "stream": True}, "stream=true"),

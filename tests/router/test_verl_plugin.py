@@ -113,6 +113,26 @@ def test_release_accounting() -> None:
     assert policy.selected[-1].request_id == "t1#1"  # the trajectory's second turn
 
 
+def test_an_unmatched_release_frees_no_other_trajectorys_request() -> None:
+    policy = Recording()
+    router = WarVerlRouter(servers(1), dict(YAML), policy_factory=lambda: policy)
+    (sid,) = servers(1)
+    router.acquire_server("t1", prompt_ids=[1, 2, 3])
+    router.acquire_server("t2", prompt_ids=[4, 5, 6])
+    router.release_server(sid, request_id="t1")
+    assert policy.completed == [("t1#0", sid, policy.completed[0][2])]
+    # a double release, and a release of a request never acquired: t2 stays open, and
+    # the policy is not told that it finished
+    router.release_server(sid, request_id="t1")
+    router.release_server(sid, request_id="never-acquired")
+    assert router.get_status()["servers"] == {sid: 1}
+    assert router.get_status()["tokens_in_flight"] == {sid: 3 + 64}
+    assert [c[0] for c in policy.completed] == ["t1#0"]
+    assert router.released == 1
+    router.release_server(sid, request_id="t2")
+    assert router.get_total_inflight() == 0 and router.released == 2
+
+
 def test_add_and_remove_servers() -> None:
     policy = Recording()
     router = WarVerlRouter(servers(2), dict(YAML), policy_factory=lambda: policy)

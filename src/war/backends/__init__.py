@@ -95,6 +95,8 @@ def make_backend(spec: str, *, name: str | None = None, api_key: str | None = No
         port = parts.port
     except ValueError as e:
         raise _bad(spec, f"bad port ({e})") from None
+    if port == 0:  # (a port to bind on, "any free one"; nothing listens there to reach)
+        raise _bad(spec, "port 0 cannot be connected to")
     try:
         pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
     except ValueError as e:

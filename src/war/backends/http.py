@@ -43,7 +43,8 @@ class WarHttpBackend:
     """One ``war serve`` replica at ``base_url`` (e.g. ``http://10.0.0.7:8000``).
 
     ``timeout_s`` bounds a whole call (read, write, pool wait) and
-    ``connect_timeout_s`` the connection; ``health()`` uses ``health_timeout_s``.
+    ``connect_timeout_s`` the connection; ``health()`` and ``load()`` (probes) use
+    ``health_timeout_s``.
     A ``client`` passed in lends its transport, pool and settings (these timeouts
     still apply to each call) and is not closed by ``close()``.
     """
@@ -111,7 +112,10 @@ class WarHttpBackend:
             ) from e
 
     async def load(self) -> ReplicaLoad:
-        data = await self._http.get_json("/v1/load", self.name)
+        # a probe, like ``health()``: bounded by the health timeout, not by a whole
+        # generation's (a replica that accepts connections but never answers is down)
+        data = await self._http.get_json("/v1/load", self.name,
+                                         timeout_s=self._http.health_timeout_s)
         try:
             return ReplicaLoad(
                 num_running=int(data["num_running"]),
@@ -285,7 +289,8 @@ class HttpChannel:
         url = urlsplit(base_url)
         self._host = url.hostname or ""
         self._tls = url.scheme == "https"
-        self._port = url.port or (443 if self._tls else 80)
+        # (``or`` would turn an explicit port 0 into the default one)
+        self._port = url.port if url.port is not None else (443 if self._tls else 80)
         self._prefix = url.path.rstrip("/")
         self.client = client
         self._pool: h1.Pool | None = None
@@ -352,8 +357,10 @@ class HttpChannel:
         raise_for_answer(answer, name)
         return self._json(answer, path, name)
 
-    async def get_json(self, path: str, name: str) -> Any:
-        answer = await self.send("GET", path, name)
+    async def get_json(self, path: str, name: str, timeout_s: float | None = None) -> Any:
+        """A GET whose 2xx JSON answer is returned (``timeout_s``: the call's bound,
+        None: ``timeout_s`` of the channel)."""
+        answer = await self.send("GET", path, name, timeout_s=timeout_s)
         raise_for_answer(answer, name)
         return self._json(answer, path, name)
 

@@ -12,8 +12,9 @@ Every other request goes to the ASGI app (FastAPI's ``/health``, ``/metrics``, .
 whose lifespan runs around the server. Responses from the app may stream (chunked).
 The ASGI side is ``edge_asgi``; the bytes of responses are ``edge_wire``'s.
 
-Does not know: TLS, HTTP/2 or protocol upgrades (an upgrade is ignored: the request is
-answered over HTTP/1.1 and the connection closed), request bodies streamed to the app
+Does not know: TLS, HTTP/2 or protocol upgrades (an upgrade is ignored: the request, its
+body read, is answered over HTTP/1.1 and the connection closed), request bodies streamed
+to the app
 (bodies are read whole, within the limit), or what any request means.
 
 Why it exists: at a few thousand routed requests a second on one core, uvicorn's ASGI
@@ -120,6 +121,10 @@ class _Connection(asyncio.Protocol):
         self._idle_since: float | None = None  # None: busy
         self._idle_limit = edge.config.keepalive_s  # how long it may stay as it is
         self._in_message = False  # a request has begun arriving and is not complete
+        # an upgrade request whose body is still to be read (``_read_upgrade_body``):
+        # its method, target, headers and HTTP version
+        self._upgrading: tuple[bytes, bytes, list[tuple[bytes, bytes]], str] | None = None
+        self._upgraded = False  # an upgrade request was read whole: the last one
         self._reset()
 
     def _reset(self) -> None:
@@ -140,16 +145,25 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._disarm_idle()
+        if self._upgraded:  # nothing after an upgrade request is read
+            return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # An upgrade (h2c, websocket) is not offered: answer what was parsed over
-            # HTTP/1.1 and close; the parser cannot go on after an upgrade.
+        except httptools.HttpParserUpgrade as e:
+            # An upgrade (h2c, websocket) is not offered: the request is answered over
+            # HTTP/1.1 and the connection closes after it. The parser stops there, having
+            # skipped the request's body (``on_message_complete``): a parser of its own
+            # reads it, from the bytes after the head on.
+            if self._upgrading is not None:
+                self._read_upgrade_body(data[int(e.args[0]):])
+                return
             self.closing = True
-            if not self.queue and not self.busy:
+            if not self.queue and not self.busy and not self._upgraded:
                 self._refuse(400, "protocol upgrades are not supported")
             return
         except httptools.HttpParserError as e:
+            if self._upgraded:  # (bytes after an upgrade request are not read)
+                return
             self._refuse(400, f"malformed HTTP request: {e}")
             return
         if not self.busy and not self.queue and not self.closed:
@@ -206,20 +220,54 @@ class _Connection(asyncio.Protocol):
         self._in_message = False
         if self._refused or self.closing:  # nothing after a refusal or a close is answered
             return
-        path, query = split_target(self._url)
         parser = self.parser
+        headers = self._headers
+        upgrading = self._upgrading
+        if upgrading is not None:  # the body of an upgrade request, read: the last request
+            self._upgrading = None
+            self._upgraded = True
+            method, target, headers, version = upgrading
+            keep_alive = False
+        elif parser.should_upgrade() and parser.get_method() != b"CONNECT":
+            # (httptools skipped the body; it is read once the parser stops, in
+            # ``data_received``. A CONNECT has no body: what follows is the tunnel's.)
+            self._upgrading = (parser.get_method(), self._url, headers,
+                               parser.get_http_version())
+            return
+        else:
+            method, target = parser.get_method(), self._url
+            keep_alive, version = parser.should_keep_alive(), parser.get_http_version()
+        path, query = split_target(target)
         body = self._body
         request = _Request(  # (positional: method, path, query, headers, body, keep-alive,
             # HTTP version)
-            parser.get_method(), path, query, self._headers,
-            body[0] if len(body) == 1 else b"".join(body), parser.should_keep_alive(),
-            parser.get_http_version())
+            method, path, query, headers, body[0] if len(body) == 1 else b"".join(body),
+            keep_alive, version)
         self.queue.append(request)
+        if self._upgraded:
+            # the last request: what the client sends after it is not read
+            self.closing = True
+            if not self.paused and self.transport is not None:
+                self.transport.pause_reading()
+                self.paused = True
         if len(self.queue) >= self.edge.config.max_queued and not self.paused \
                 and self.transport is not None:
             self.transport.pause_reading()
             self.paused = True
         self._next()
+
+    def _read_upgrade_body(self, rest: bytes) -> None:
+        """Reads the body of the upgrade request ``_upgrading`` (``rest``: the bytes
+        after its head) with a new parser, fed a head of the request's own framing
+        headers (``Content-Length``, ``Transfer-Encoding``) and no upgrade: its body is
+        read as any other, within the size limit (413) and the read timeout, and
+        ``on_message_complete`` queues the request as the connection's last."""
+        assert self._upgrading is not None
+        method, target, headers, _ = self._upgrading
+        framing = b"".join(b"%s: %s\r\n" % (k, v) for k, v in headers
+                           if k in (b"content-length", b"transfer-encoding"))
+        self.parser = httptools.HttpRequestParser(self)
+        self.data_received(b"%s %s HTTP/1.1\r\n%s\r\n" % (method, target, framing) + rest)
 
     # -- answering
 
@@ -230,7 +278,9 @@ class _Connection(asyncio.Protocol):
             if self.closing:
                 self._close()
             else:
-                self._arm_idle()
+                # a next request already arriving must keep coming (the read timeout);
+                # none begun: the connection is idle (the keep-alive one)
+                self._arm_idle(self.edge.config.read_timeout_s if self._in_message else None)
             return
         if self.paused and not self.closing and len(self.queue) < self.edge.config.max_queued \
                 and self.transport is not None:

@@ -10,8 +10,11 @@ replica computes, nor which policy is best.
 Failures: a replica that raises ``ReplicaUnavailable`` (refused, lost, timed out,
 crashed) is marked down, the policy forgets it, and the request is sent again to
 another replica with the same request id, with the trajectory's whole context;
-its trajectory goes on. A background task checks down replicas' health and lets
-them rejoin. Requests fail only when no replica is left or retries run out.
+its trajectory goes on. A turn that sends only its new tokens goes so only to the
+replica that served its trajectory's last turn (the router's record, not the
+policy's): any other is sent the whole context. A background task checks down
+replicas' health (all replicas at once, each within a bound) and lets them rejoin.
+Requests fail only when no replica is left or retries run out.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
@@ -43,6 +47,10 @@ class RouterConfig:
 
     * ``max_attempts``: replicas tried for one request before it fails.
     * ``health_interval_s``: how often down replicas are checked (and loads polled).
+    * ``health_timeout_s``: how long one replica's check in a round (its health, then
+      its load) may take; past it the replica is marked down (replicas are checked
+      concurrently, so one that never answers holds up no other). Above the HTTP
+      backends' own probe timeout (2 s), so that theirs, more precise, comes first.
     * ``share_history``: forward completed responses to the other replicas.
     * ``history_lead_in``: prompt tokens forwarded before each response, as a
       replica's own history entries carry them (``SpecConfig.lead_in``), so a
@@ -58,13 +66,15 @@ class RouterConfig:
       an agent's context runs to tens of thousands of tokens, so a count of
       trajectories alone does not bound the memory (about 36 bytes a token). A turn
       whose context was dropped still goes to its replica; only if that replica
-      fails does its client get ``UnknownTrajectory`` (409 over HTTP) and resend the
-      whole context. Finished trajectories (``finish_trajectory``) free theirs at once,
-      and none is held for turns routed with ``hold=False`` (``route``).
+      fails (or the policy places the turn on another) does its client get
+      ``UnknownTrajectory`` (409 over HTTP) and resend the whole context. Finished
+      trajectories (``finish_trajectory``) free theirs at once, and none is held for
+      turns routed with ``hold=False`` (``route``).
     """
 
     max_attempts: int = 4
     health_interval_s: float = 1.0
+    health_timeout_s: float = 5.0
     share_history: bool = True
     history_flush_s: float = 0.05
     history_batch: int = 64
@@ -77,6 +87,9 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if not self.health_interval_s > 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        if not 0 < self.health_timeout_s < math.inf:
+            raise ValueError(f"health_timeout_s must be a finite number > 0, got "
+                             f"{self.health_timeout_s}")
         if self.max_trajectories < 1:
             raise ValueError(f"max_trajectories must be >= 1, got {self.max_trajectories}")
         if self.max_context_tokens < 0:
@@ -252,8 +265,24 @@ class Router:
                 send = GenRequest(send.request_id, send.prompt_ids, send.sampling,
                                   send.trajectory_id, send.group_id, decision.priority,
                                   send.continues)
-            if (send.continues and (name in tried or decision.migrated)) and full is not None:
-                send = dataclasses.replace(send, prompt_ids=full, continues=False)
+            if send.continues:
+                # Only the replica that served the trajectory's last turn holds its
+                # context: another one (a policy's move, flagged ``migrated`` or not, or
+                # a retry) may hold an older turn's and would append the new tokens to
+                # that. So the router's own record of the home decides, not the policy.
+                home = self._homes.get(send.trajectory_id or "")
+                if name in tried or name != home:
+                    if full is not None:
+                        send = dataclasses.replace(send, prompt_ids=full, continues=False)
+                    elif home is not None:
+                        self.policy.on_complete(request, None, name, self._clock())
+                        self.stats.failed += 1
+                        raise UnknownTrajectory(
+                            f"request {request.request_id}: trajectory "
+                            f"{request.trajectory_id!r} goes to {name}, not to {home}, which "
+                            "served its last turn, and the router does not hold its "
+                            "context; send the whole context")
+                    # (neither known here: the replica answers for itself)
             size = len(full if full is not None else send.prompt_ids) + send.sampling.max_tokens
             rep.num_requests += 1
             rep.tokens_in_flight += size
@@ -467,19 +496,30 @@ class Router:
             self.policy.on_replica_down(name, self._clock())
 
     async def check_health(self) -> None:
-        """One round: down replicas that answer rejoin; loads are refreshed."""
-        for name, rep in self.replicas.items():
-            if not rep.healthy:
-                if not await rep.backend.health():
-                    continue
-                rep.healthy = True
-                log.warning("replica %s is back", name)
-            try:
+        """One round: down replicas that answer rejoin; loads are refreshed. Replicas
+        are checked concurrently, each within ``health_timeout_s``: one that accepts
+        connections but never answers delays no other, and is marked down itself."""
+        await asyncio.gather(*[self._check(name, rep) for name, rep in self.replicas.items()])
+
+    async def _check(self, name: str, rep: _Replica) -> None:
+        """One replica's part of a round (``check_health``); never raises."""
+        timeout = self.config.health_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                if not rep.healthy:
+                    if not await rep.backend.health():
+                        return
+                    rep.healthy = True
+                    log.warning("replica %s is back", name)
                 rep.load = await rep.backend.load()
-            except ReplicaUnavailable as exc:
-                self._mark_down(name, exc)
-            except Exception as exc:  # a load report is advisory
-                log.debug("load of %s failed: %r", name, exc)
+        except ReplicaUnavailable as exc:
+            self._mark_down(name, exc)
+        except TimeoutError:  # (the bound above, or the backend's own)
+            if rep.healthy:  # (a down replica whose health check hangs stays down)
+                self._mark_down(name, ReplicaUnavailable(
+                    f"{name}: no health or load answer within {timeout} s"))
+        except Exception as exc:  # a load report is advisory
+            log.debug("load of %s failed: %r", name, exc)
 
     async def _health_loop(self) -> None:
         while True:

@@ -194,7 +194,9 @@ def build_requests(body: CompletionRequest, headers: Mapping[str, str],
         raise APIError(400, "stream=true is not supported", param="stream")
     if body.echo:
         raise APIError(400, "echo=true is not supported", param="echo")
-    if body.max_tokens is None:
+    # (missing, ``max_tokens`` reads as the replica's default, 16, as OpenAI's: the
+    # router refuses it as it refuses null, for a default it cannot check either)
+    if body.max_tokens is None or "max_tokens" not in body.model_fields_set:
         raise APIError(400, "max_tokens is required (the router does not know the replicas' "
                        "context length)", param="max_tokens")
     if body.max_tokens < 1:

@@ -210,13 +210,19 @@ class WarVerlRouter:
                 self.policy.on_complete(r, done, lease.server_id, self._clock())
 
     def _find(self, server_id: str, trajectory: str | None) -> _Lease | None:
+        """The lease a release ends: ``trajectory``'s oldest on the server, or with no
+        trajectory named, the server's oldest; None when nothing matches."""
         if server_id not in self._leases:
             return None
-        if trajectory is not None:
-            for lease in self._by_trajectory.get(trajectory, OrderedDict()).values():
-                if lease.server_id == server_id:
-                    return lease
-        return next(iter(self._leases[server_id].values()), None)
+        if trajectory is None:
+            return next(iter(self._leases[server_id].values()), None)
+        # A named trajectory with no open lease here (a double release, or one never
+        # acquired) ends nothing: falling back to the server's oldest lease would end
+        # another trajectory's request, and tell the policy it finished.
+        for lease in self._by_trajectory.get(trajectory, OrderedDict()).values():
+            if lease.server_id == server_id:
+                return lease
+        return None
 
     # ------------------------------------------------------------ the pool
 
