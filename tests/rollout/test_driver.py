@@ -4,7 +4,9 @@ replica, a real engine end to end, error handling, resume after a crash."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +19,7 @@ from war.engine.config import EngineConfig
 from war.engine.engine import Engine
 from war.engine.loader import init_random
 from war.engine.model_config import ModelConfig
-from war.rollout.agent import AgentConfig, PolicyIO
+from war.rollout.agent import AgentConfig, PolicyIO, context_length
 from war.rollout.chat import HermesTemplate, end_of_turn_ids
 from war.rollout.driver import RolloutConfig, run_step, trajectory_id
 from war.rollout.envs import expert_actions, make, sample_tasks
@@ -287,3 +289,137 @@ def test_in_flight_limits_per_replica() -> None:
     assert reps["a"].peak == 2 and reps["b"].peak == 2
     with pytest.raises(ValueError, match="max_in_flight_per_replica"):
         RolloutConfig(max_in_flight_per_replica=0)
+
+
+class ObedientReplica(ScriptedReplica):
+    """A scripted replica that, like an engine, samples at most ``max_tokens`` (then
+    ends with "length") and, given ``max_model_len``, refuses a request whose context
+    plus ``max_tokens`` would not fit (as ``Engine.add_request`` does)."""
+
+    def __init__(self, max_model_len: int | None = None) -> None:
+        super().__init__()
+        if max_model_len is not None:
+            self.max_model_len = max_model_len
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        assert req.trajectory_id is not None
+        held = self.context.get(req.trajectory_id, []) if req.continues else []
+        limit = getattr(self, "max_model_len", None)
+        if limit is not None and len(held) + len(req.prompt_ids) + req.sampling.max_tokens > limit:
+            raise ValueError(f"request {req.request_id} exceeds the context length {limit}")
+        res = await super().generate(req)
+        if len(res.output_ids) <= req.sampling.max_tokens:
+            return res
+        out = res.output_ids[:req.sampling.max_tokens]
+        tid = req.trajectory_id
+        self.context[tid] = self.context[tid][:len(self.context[tid]) - len(res.output_ids)
+                                              + len(out)]
+        return dataclasses.replace(res, output_ids=out, logprobs=res.logprobs[:len(out)],
+                                   finish_reason="length")
+
+
+def _segments() -> tuple[Any, int, int, int]:
+    """A calculator task whose expert calls a tool first, and the lengths of its first
+    prompt, first sampled turn and first observation, from an unlimited episode."""
+    task = sample_tasks("calculator", 1, 0)[0]
+    rep = ObedientReplica()
+    rep.script(trajectory_id(0, task.task_id, 0), task)
+    traj = run_step([task], [rep], IO, RolloutConfig(group_size=1))[0]
+    assert traj.finish_reason == "done" and traj.num_turns >= 2
+    runs: list[list[int]] = []  # (mask, length) runs of the loss mask
+    for m in traj.loss_mask:
+        if runs and runs[-1][0] == m:
+            runs[-1][1] += 1
+        else:
+            runs.append([m, 1])
+    assert [m for m, _ in runs[:3]] == [0, 1, 0]
+    return task, runs[0][1], runs[1][1], runs[2][1]
+
+
+def _run_limited(task: Any, agent: AgentConfig, max_model_len: int | None = None) -> Any:
+    rep = ObedientReplica(max_model_len)
+    rep.script(trajectory_id(0, task.task_id, 0), task)
+    return run_step([task], [rep], IO, RolloutConfig(group_size=1, agent=agent))[0]
+
+
+def test_max_total_tokens_is_a_hard_cap() -> None:
+    task, prompt, first, obs = _segments()
+    # The first observation does not fit, or fits with no token left to answer: it is
+    # not appended (to the tokens nor to the messages), and the budget is used up.
+    for budget in (prompt + first + obs - 1, prompt + first + obs):
+        traj = _run_limited(task, AgentConfig(max_total_tokens=budget))
+        assert traj.finish_reason == "max_tokens" and traj.num_turns == 1, budget
+        assert len(traj.token_ids) == prompt + first <= budget
+        assert traj.messages[-1]["role"] == "assistant"
+        assert not any(m["role"] == "tool" for m in traj.messages)
+    # One token of room after it: the second turn is cut by the budget, which ends
+    # the trajectory exactly at the budget: max_tokens, not length.
+    budget = prompt + first + obs + 1
+    traj = _run_limited(task, AgentConfig(max_total_tokens=budget))
+    assert traj.finish_reason == "max_tokens" and traj.num_turns == 2
+    assert len(traj.token_ids) == budget
+    # The first turn cut by the budget (max_tokens) or by the turn's own limit (length).
+    traj = _run_limited(task, AgentConfig(max_total_tokens=prompt + 3))
+    assert traj.finish_reason == "max_tokens" and len(traj.token_ids) == prompt + 3
+    traj = _run_limited(task, AgentConfig(max_tokens_per_turn=3))
+    assert traj.finish_reason == "length" and len(traj.token_ids) == prompt + 3
+
+
+def test_a_first_prompt_over_the_budget_fails_the_trajectory() -> None:
+    task, prompt, _, _ = _segments()
+    for budget in (prompt - 1, prompt):  # no room for one sampled token
+        traj = _run_limited(task, AgentConfig(max_total_tokens=budget))
+        assert traj.finish_reason == "error" and not traj.token_ids
+        assert f"first prompt ({prompt} tokens)" in (traj.error or "")
+        assert f"max_total_tokens ({budget})" in (traj.error or "")
+    traj = _run_limited(task, AgentConfig(), max_model_len=prompt)
+    assert traj.finish_reason == "error" and "max_model_len" in (traj.error or "")
+
+
+def test_turns_fit_the_replicas_context_length() -> None:
+    task, prompt, first, obs = _segments()
+    # max_tokens_per_turn (256) would pass the context: each turn asks for what is left.
+    traj = _run_limited(task, AgentConfig(), max_model_len=prompt + first + obs + 5)
+    assert traj.finish_reason == "max_tokens" and traj.error is None
+    assert len(traj.token_ids) == prompt + first + obs + 5
+    traj = _run_limited(task, AgentConfig(), max_model_len=prompt + first + obs - 1)
+    assert traj.finish_reason == "max_tokens" and len(traj.token_ids) == prompt + first
+    # Where the replica says it: itself, an AsyncEngine's engine, a backend's engine.
+    assert context_length(SimpleNamespace(max_model_len=9)) == 9
+    assert context_length(SimpleNamespace(engine=SimpleNamespace(max_model_len=8))) == 8
+    inner = SimpleNamespace(engine=SimpleNamespace(max_model_len=7))
+    assert context_length(SimpleNamespace(async_engine=inner)) == 7
+    for unknown in (object(), SimpleNamespace(max_model_len=True),
+                    SimpleNamespace(engine=SimpleNamespace(max_model_len=None))):
+        assert context_length(unknown) is None  # then only max_total_tokens caps
+
+
+def test_real_engine_with_a_short_context() -> None:
+    """An in-process engine whose max_model_len is just past the first prompt: turns
+    are sized to fit, so no trajectory fails (before, every request was refused)."""
+    vocab = IO.tokenizer.get_vocab_size()
+    cfg = ModelConfig.from_dict({
+        "model_type": "llama", "vocab_size": vocab, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": True})
+    _, prompt, _, _ = _segments()
+    limit = prompt + 6
+    engine = AsyncEngine(Engine(init_random(cfg, seed=0, dtype=torch.float32),
+                                EngineConfig(num_kv_blocks=128, block_size=16,
+                                             max_model_len=limit)))
+    tasks = sample_tasks("calculator", 1, 0)
+
+    async def main() -> list[Any]:
+        from war.rollout.driver import run_step_async
+        engine.start()
+        try:
+            return await run_step_async(tasks, [engine], IO, RolloutConfig(group_size=2))
+        finally:
+            await engine.close()
+
+    out = asyncio.run(main())
+    assert len(out) == 2
+    for traj in out:
+        assert traj.finish_reason != "error", traj.error
+        assert len(traj.token_ids) <= limit

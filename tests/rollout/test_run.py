@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ from war.rollout.run import (
     summarize,
     task_pool,
 )
-from war.rollout.trajectory import Trajectory, read_jsonl, read_parquet
+from war.rollout.trajectory import JsonlWriter, Trajectory, read_jsonl, read_parquet
 
 
 def test_config_files_and_errors(tmp_path: Path) -> None:
@@ -130,3 +131,89 @@ def test_war_demo_starts_afresh_and_keeps_the_earlier_run(
     assert (run_dir / "trajectories.previous.jsonl").read_bytes() == first
     again = read_jsonl(run_dir / "trajectories.jsonl")  # generated again, not reused
     assert len(again) == 2 and all(t.rl_step == 0 for t in again)
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"name": 2024}, "name must be a non-empty string, got 2024"),
+    ({"name": ""}, "name must be a non-empty string"),
+    ({"output_dir": 7}, "output_dir must be a non-empty string"),
+    ({"model": 5}, "model must be a model folder"),
+    ({"envs": None}, "envs must be a list of environment names, got None"),
+    ({"envs": 5}, "envs must be a list of environment names, got 5"),
+    ({"envs": "calculator"}, "envs must be a list of environment names, got 'calculator'"),
+    ({"envs": ["calculator", 3]}, r"envs must be environment names \(strings\), got \[3\]"),
+    ({"envs": ["calculator", "files", "calculator"]},
+     r"envs lists \['calculator'\] more than once"),
+    ({"seed": 1.5}, "seed must be an int, got 1.5"),
+    ({"seed": True}, "seed must be an int"),
+    ({"task_pool": 33.5}, "task_pool must be an int or null, got 33.5"),
+    ({"task_pool": "big"}, "task_pool must be an int or null, got 'big'"),
+    ({"task_pool": True}, "task_pool must be an int"),
+    ({"torch_threads": 1.5}, "torch_threads must be an int >= 1"),
+    ({"agent": {"temperature": "hot"}}, "agent: temperature must be a number, got 'hot'"),
+    ({"agent": {"top_p": "0.5"}}, "agent: top_p must be a number"),
+    ({"agent": {"send_only_new_tokens": "no"}}, "agent: send_only_new_tokens must be true"),
+    ({"agent": {"max_turns": 2.0}}, "agent: max_turns must be an int >= 1, got 2.0"),
+    ({1: "x", "stepz": 2}, r"unknown keys \[1, .stepz.\]"),  # (keys of two types)
+])
+def test_config_values_of_the_wrong_type_are_refused(raw: dict[Any, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        run_config_from_dict(raw)
+
+
+def test_config_objects_are_checked_too() -> None:
+    assert RunConfig(envs=["calculator"]).envs == ("calculator",)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="more than once"):
+        RunConfig(envs=("sqlite", "sqlite"))
+    with pytest.raises(ValueError, match="agent must be an AgentConfig"):
+        RunConfig(agent={"max_turns": 1})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="engine must be an EngineConfig"):
+        RunConfig(engine=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("name: 2024\n", "name must be a non-empty string, got 2024 (quote it"),
+    ("envs: calculator\n", "envs must be a list of environment names"),
+    ("envs: [calculator, calculator]\n", "envs lists ['calculator'] more than once"),
+    ("task_pool: 33.5\n", "task_pool must be an int or null, got 33.5"),
+    ("seed: 1.5\n", "seed must be an int, got 1.5"),
+])
+def test_bad_config_is_one_error_line_before_any_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(text)
+    out_dir = tmp_path / "runs"
+    assert main(["rollout", "--config", str(config), "--output-dir", str(out_dir),
+                 "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"war: error: {config}: {message}"), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out_dir.exists()  # refused before the run's folder (or a model) was made
+
+
+def test_resume_message_counts_only_what_is_reused(
+        tmp_path: Path, random_policy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The file holds other steps' trajectories and a failed one: the resume message
+    counts what the driver reuses (this run's steps, not failed), as the caption does."""
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({
+        "name": "r", "model": str(random_policy), "replicas": 1, "tasks_per_step": 2,
+        "group_size": 1, "steps": 2, "output_dir": str(tmp_path / "runs"),
+        "agent": {"max_turns": 1, "max_tokens_per_turn": 4},
+        "engine": {"kv_cache_bytes": 8_000_000}}))
+    argv = ["rollout", "--config", str(config), "--quiet"]
+    assert main(argv) == 0
+    path = tmp_path / "runs" / "r" / "trajectories.jsonl"
+    trajs = read_jsonl(path)
+    assert len(trajs) == 4
+    failed = next(t for t in trajs if t.rl_step == 0)  # as if its replica had died
+    path.write_text("")
+    with JsonlWriter(path) as writer:
+        for t in trajs:
+            writer.append(dataclasses.replace(t, finish_reason="error", error="boom")
+                          if t is failed else t)
+    capsys.readouterr()
+    assert main([*argv, "--steps", "1"]) == 0  # step 0 only: 1 reused, 1 redone
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 trajectories already in trajectories.jsonl are reused" in out, out
+    assert "1 trajectories reused from the stopped run" in out

@@ -88,7 +88,8 @@ def _earlier_run(cfg: RunConfig, console: Console, fresh: bool) -> None:
     """Says what happens to the trajectories an earlier run left in the run's folder: a
     demo moves them aside and starts afresh; a rollout reuses them (a restarted step
     skips the trajectories it already wrote), and says so."""
-    from war.rollout.trajectory import completed_ids
+    from war.rollout.driver import reusable
+    from war.rollout.run import trajectory_ids
 
     path = Path(cfg.output_dir) / cfg.name / "trajectories.jsonl"
     if not path.exists() or path.stat().st_size == 0:
@@ -99,7 +100,9 @@ def _earlier_run(cfg: RunConfig, console: Console, fresh: bool) -> None:
         console.print(f"{path.parent}: the earlier run's trajectories are now in {kept.name}; "
                       "this run starts afresh")
         return
-    n = len(completed_ids(path))
+    # What the driver will reuse: this run's steps' trajectories that did not fail (the
+    # file may also hold failed ones, which are redone, and other steps' or tasks').
+    n = len(reusable(path, trajectory_ids(cfg)))
     console.print(f"[yellow]resuming[/] {path.parent}: {n} trajectories already in "
                   f"{path.name} are reused, not generated again (delete it to start afresh)")
 

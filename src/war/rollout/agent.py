@@ -9,6 +9,14 @@ logprobs), timings and speculation counters. Does not know how replicas are
 chosen (``Replica`` is any object with ``async generate``), the engine's
 internals, or how trajectories are stored.
 
+Token limits are hard caps: a trajectory never holds more than
+``max_total_tokens``, nor more than the replica's context length where the
+replica says what it is (``context_length``). Each turn asks for at most the
+tokens left; a tool observation that does not fit (with room for one more
+sampled token) is not appended, and the trajectory ends with ``max_tokens``. A
+first prompt that leaves no room is an error (``ValueError``): no turn of that
+task can run under these limits.
+
 Token bookkeeping is exact: each turn only the new segment (tool responses and
 the next generation prompt) is tokenized and appended; the sampled tokens are
 the replica's, never re-tokenized. A trajectory's next turn sends only those new
@@ -48,6 +56,21 @@ class Replica(Protocol):
     async def generate(self, request: GenRequest) -> GenResult: ...
 
 
+def context_length(replica: object) -> int | None:
+    """The longest sequence (prompt + output) ``replica`` accepts, where it says: an
+    engine's ``max_model_len``, on the replica itself, on an ``AsyncEngine``'s
+    ``engine`` or on an in-process backend's ``async_engine.engine``. ``None`` where
+    it does not (an HTTP backend, a router over replicas that may differ)."""
+    # Only immutable engine attributes are read (AsyncEngine.engine allows these from
+    # any thread); anything that is not a positive int counts as not saying.
+    inner = getattr(replica, "async_engine", None)
+    for obj in (replica, getattr(replica, "engine", None), getattr(inner, "engine", None)):
+        value = getattr(obj, "max_model_len", None)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
+
+
 @dataclass(frozen=True)
 class PolicyIO:
     """How text becomes tokens for one policy: its tokenizer and chat template."""
@@ -79,7 +102,8 @@ class AgentConfig:
 
     * ``max_turns``: assistant turns before the episode is cut (``max_turns``).
     * ``max_tokens_per_turn``: most tokens sampled in one turn.
-    * ``max_total_tokens``: most tokens of the whole trajectory (context included).
+    * ``max_total_tokens``: most tokens of the whole trajectory (prompt, tool output
+      and sampled tokens), a hard cap (``max_tokens`` once it is used up).
     * ``temperature``, ``top_p``, ``top_k``: sampling.
     * ``send_only_new_tokens``: continue trajectories on the replica that holds them.
     """
@@ -97,6 +121,14 @@ class AgentConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        # SamplingParams compares these: a string would raise a TypeError naming nothing.
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.send_only_new_tokens, bool):
+            raise ValueError(f"send_only_new_tokens must be true or false, "
+                             f"got {self.send_only_new_tokens!r}")
         SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
@@ -131,7 +163,9 @@ async def run_episode(
 ) -> Trajectory:
     """Runs one episode of ``task`` in ``env`` (already constructed; it is reset
     here and not closed) and returns its trajectory. Replica errors other than a
-    refused continuation propagate (the caller decides whether to retry)."""
+    refused continuation propagate (the caller decides whether to retry), and so
+    does the ``ValueError`` of a first prompt that leaves no room for a sampled
+    token under ``max_total_tokens`` or the replica's context length."""
     start = clock()
     tools = [t.to_openai() for t in env.tools()]
     first_user = await asyncio.to_thread(env.reset, task)
@@ -139,15 +173,25 @@ async def run_episode(
         {"role": "system", "content": env.system_prompt()},
         {"role": "user", "content": first_user},
     ]
+    # The trajectory's hard cap: its token budget, and the replica's context where the
+    # replica says (the engine refuses a request whose prompt + max_tokens exceeds it).
+    limit, limit_name = config.max_total_tokens, "max_total_tokens"
+    ctx = context_length(replica)
+    if ctx is not None and ctx < limit:
+        limit, limit_name = ctx, "the replica's context length (max_model_len)"
+    prompt_ids = io.encode(io.template.render_prompt(messages, tools))
+    if len(prompt_ids) >= limit:
+        raise ValueError(f"task {task.task_id}: its first prompt ({len(prompt_ids)} tokens) "
+                         f"leaves no room to generate under {limit_name} ({limit})")
     builder = TrajectoryBuilder()
-    builder.append_prompt(io.encode(io.template.render_prompt(messages, tools)))
+    builder.append_prompt(prompt_ids)
     c = _Counters()
     new_ids = builder.token_ids
     held = False  # whether the replica holds this trajectory's earlier turns
     reward, finish, turns, error = 0.0, "max_turns", 0, None
     while turns < config.max_turns:
-        room = config.max_total_tokens - len(builder)
-        if room < 1:
+        room = limit - len(builder)  # >= 1: the prompt and every observation left room
+        if room < 1:  # (only after a replica returned more tokens than it was asked for)
             finish = "max_tokens"
             break
         sampling = SamplingParams(
@@ -182,9 +226,13 @@ async def run_episode(
         ended_turn = bool(out) and out[-1] in io.stop_token_ids
         text = io.decode(out)
         messages.append({"role": "assistant", "content": text})
-        if not ended_turn:  # cut by the token budget in the middle of a turn
-            finish = "length" if res.finish_reason == "length" else "error"
-            error = None if finish == "length" else f"turn ended with {res.finish_reason}"
+        if not ended_turn:  # cut by a token limit in the middle of a turn
+            if res.finish_reason == "length":
+                # "max_tokens" when the trajectory's cap cut it (the budget is used up),
+                # "length" when only the turn's own max_tokens_per_turn did.
+                finish = "max_tokens" if len(builder) >= limit else "length"
+            else:
+                finish, error = "error", f"turn ended with {res.finish_reason}"
             break
         parsed = parse_tool_calls(text)
         if not parsed.has_calls and not parsed.errors:
@@ -204,6 +252,12 @@ async def run_episode(
         c.tool_s += time.perf_counter() - t1
         cont_text = io.template.render_continuation(messages, observations, tools)
         new_ids = io.encode(cont_text)
+        if len(builder) + len(new_ids) >= limit:
+            # The tool responses (and the next generation prompt) would pass the cap or
+            # leave the policy no token to answer with: the budget is used up. They are
+            # left out of both tokens and messages, which must stay each other's render.
+            finish = "max_tokens"
+            break
         builder.append_observation(new_ids)
         messages.extend(observations)
     end = clock()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +64,18 @@ def trajectory_id(rl_step: int, task_id: str, sample: int) -> str:
     return f"step{rl_step}/{task_id}/{sample}"
 
 
+def reusable(output: str | Path, ids: Collection[str]) -> dict[str, Trajectory]:
+    """The trajectories in ``output`` (a JSONL file; none when it does not exist) that a
+    step wanting ``ids`` reuses instead of running again: those of ``ids`` that did not
+    fail (failed ones are redone), the last one written where an id recurs. One
+    definition for the driver and for what ``war rollout`` says it will reuse."""
+    if not Path(output).exists():
+        return {}
+    wanted = set(ids)
+    return {t.trajectory_id: t for t in read_jsonl(output)
+            if t.trajectory_id in wanted and t.finish_reason != "error"}
+
+
 def _seed(base: int, traj_id: str) -> int:
     digest = hashlib.sha256(f"{base}:{traj_id}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
@@ -105,11 +117,7 @@ async def run_step_async(
         raise ValueError("task ids must be distinct within a step")
     wanted = [(task, g, trajectory_id(cfg.rl_step, task.task_id, g))
               for task in tasks for g in range(cfg.group_size)]
-    done: dict[str, Trajectory] = {}
-    if output is not None and Path(output).exists():
-        mine = {tid for _, _, tid in wanted}
-        done = {t.trajectory_id: t for t in read_jsonl(output)
-                if t.trajectory_id in mine and t.finish_reason != "error"}
+    done = reusable(output, [tid for _, _, tid in wanted]) if output is not None else {}
     placement = assign_groups(tasks, list(named), cfg.group_size)
     limit = asyncio.Semaphore(cfg.max_in_flight or max(len(wanted), 1))
     per_replica = {name: asyncio.Semaphore(cfg.max_in_flight_per_replica or max(len(wanted), 1))

@@ -28,7 +28,7 @@ from war.engine.config import EngineConfig
 from war.engine.engine import Engine
 from war.engine.stats import StepRecord
 from war.rollout.agent import AgentConfig, PolicyIO
-from war.rollout.driver import RolloutConfig, run_step_async
+from war.rollout.driver import RolloutConfig, run_step_async, trajectory_id
 from war.rollout.envs import Task, names, sample_tasks
 from war.rollout.trajectory import Trajectory, write_parquet
 from war.spec.config import SpecConfig
@@ -46,7 +46,8 @@ class RunConfig:
     * ``model``: a Hugging Face folder (weights, config, tokenizer); ``None``: the
       built-in policy shipped with WAR.
     * ``replicas``: local replicas (one engine each, in this process).
-    * ``envs``: registered environments the tasks come from (round robin).
+    * ``envs``: registered environments the tasks come from (round robin), each
+      named once.
     * ``tasks_per_step``, ``group_size``, ``steps``: the RL steps' shape.
     * ``task_pool``: distinct tasks the steps draw from (default: twice
       ``tasks_per_step``), so that tasks recur across steps.
@@ -69,20 +70,56 @@ class RunConfig:
     torch_threads: int | None = None
 
     def __post_init__(self) -> None:
+        # Every check runs here, before any model is loaded or file written: a config
+        # file's wrong type is one error naming the setting, not a traceback later.
+        for name in ("name", "output_dir"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                hint = " (quote it: YAML reads it as a number)" if isinstance(
+                    value, (int, float)) and not isinstance(value, bool) else ""
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}{hint}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"model must be a model folder (a string) or null, "
+                             f"got {self.model!r}")
         for name in ("replicas", "tasks_per_step", "group_size", "steps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        # A bare string is a sequence too: "calculator" would be read as its letters.
+        if isinstance(self.envs, str) or not isinstance(self.envs, (list, tuple)):
+            raise ValueError(f"envs must be a list of environment names, got {self.envs!r}")
+        object.__setattr__(self, "envs", tuple(self.envs))  # a list is kept as a tuple
         if not self.envs:
             raise ValueError("envs is empty")
+        not_names = [e for e in self.envs if not isinstance(e, str)]
+        if not_names:
+            raise ValueError(f"envs must be environment names (strings), got {not_names}")
+        twice = sorted({e for e in self.envs if self.envs.count(e) > 1})
+        if twice:  # the pool would hold the same tasks twice, and a step could draw both
+            raise ValueError(f"envs lists {twice} more than once; name each environment once")
         unknown = [e for e in self.envs if e not in names()]
         if unknown:
             raise ValueError(f"unknown environments {unknown} (registered: {names()})")
-        if self.task_pool is not None and self.task_pool < self.tasks_per_step:
-            raise ValueError(f"task_pool ({self.task_pool}) < tasks_per_step "
-                             f"({self.tasks_per_step})")
-        if self.torch_threads is not None and self.torch_threads < 1:
-            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        if self.task_pool is not None:
+            if not _is_int(self.task_pool):
+                raise ValueError(f"task_pool must be an int or null, got {self.task_pool!r}")
+            if self.task_pool < self.tasks_per_step:
+                raise ValueError(f"task_pool ({self.task_pool}) < tasks_per_step "
+                                 f"({self.tasks_per_step})")
+        if self.torch_threads is not None and (not _is_int(self.torch_threads)
+                                               or self.torch_threads < 1):
+            raise ValueError(f"torch_threads must be an int >= 1 or null, "
+                             f"got {self.torch_threads!r}")
+        if not isinstance(self.agent, AgentConfig):
+            raise ValueError(f"agent must be an AgentConfig, got {self.agent!r}")
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"engine must be an EngineConfig, got {self.engine!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def load_run_config(path: str | Path, **overrides: Any) -> RunConfig:
@@ -106,12 +143,12 @@ def _build(cls: Any, raw: Any, where: str) -> Any:
     if not isinstance(raw, Mapping):
         raise ValueError(f"{where} must be a mapping, got {raw!r}")
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - known)
+    unknown = sorted(set(raw) - known, key=str)  # (YAML keys may be numbers)
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
     try:
         return cls(**raw)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:  # (say which file and section the setting is in)
         raise ValueError(f"{where}: {exc}") from None
 
 
@@ -129,8 +166,6 @@ def run_config_from_dict(raw: Mapping[str, Any], where: str = "config") -> RunCo
         base.pop("spec")
         base.update(eng)
         data["engine"] = _build(EngineConfig, base, f"{where}: engine")
-    if "envs" in data:
-        data["envs"] = tuple(data["envs"])
     cfg: RunConfig = _build(RunConfig, data, where)
     return cfg
 
@@ -163,6 +198,23 @@ def step_tasks(pool: Sequence[Task], n: int, seed: int, rl_step: int) -> list[Ta
     """The tasks of one RL step: a seeded draw from the pool."""
     rng = random.Random(f"{seed}:{rl_step}")
     return rng.sample(list(pool), n)
+
+
+def _step_config(cfg: RunConfig, rl_step: int) -> RolloutConfig:
+    return RolloutConfig(group_size=cfg.group_size, agent=cfg.agent, rl_step=rl_step,
+                         seed=cfg.seed)
+
+
+def trajectory_ids(cfg: RunConfig) -> set[str]:
+    """The ids of every trajectory of the run's steps: what a resumed run may reuse
+    (``driver.reusable``). Draws the steps' tasks as ``run_rollout`` does; no model."""
+    pool = task_pool(cfg)
+    out: set[str] = set()
+    for step in range(cfg.steps):
+        sc = _step_config(cfg, step)  # (named as the driver names them)
+        for task in step_tasks(pool, cfg.tasks_per_step, cfg.seed, step):
+            out.update(trajectory_id(sc.rl_step, task.task_id, g) for g in range(sc.group_size))
+    return out
 
 
 @dataclass(frozen=True)
@@ -270,9 +322,7 @@ async def run_rollout(
             t0 = time.perf_counter()
             fresh: set[str] = set()  # generated now (the others resume an earlier run)
             trajs = await run_step_async(
-                tasks, reps, io,
-                RolloutConfig(group_size=cfg.group_size, agent=cfg.agent, rl_step=step,
-                              seed=cfg.seed),
+                tasks, reps, io, _step_config(cfg, step),
                 output=run_dir / "trajectories.jsonl", on_done=_noting(fresh, on_done))
             bounds.append((t0, time.perf_counter()))
             summaries.append(summarize(

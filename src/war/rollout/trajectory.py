@@ -434,7 +434,8 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[Trajectory]:
 
 def completed_ids(path: str | os.PathLike[str]) -> set[str]:
     """The ids of the trajectories already in a JSON Lines file (empty when the file does
-    not exist yet), so a restarted step can skip them."""
+    not exist yet), failed ones and every step's included; what a restarted step
+    reuses of them is ``war.rollout.driver.reusable``."""
     if not Path(path).exists():
         return set()
     return {t.trajectory_id for t in read_jsonl(path)}
