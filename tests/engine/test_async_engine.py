@@ -197,6 +197,66 @@ def test_step_error_fails_inflight_and_thread_survives() -> None:
     run(main)
 
 
+def test_a_failing_engine_thread_fails_every_request_and_refuses_new_ones() -> None:
+    fake = FakeEngine(step_s=0.001)
+    ae = AsyncEngine(fake)  # type: ignore[arg-type]
+
+    def broken() -> None:  # a bug in the thread's own loop, not in a step
+        raise OverflowError("timeout value is too large")
+
+    async def main() -> None:
+        ae.start()
+        task = asyncio.ensure_future(ae.generate(req("long", 10**9)))
+        await until(lambda: fake.stats.num_steps >= 2)
+        ae._snapshot = broken  # type: ignore[method-assign]
+        queued = asyncio.ensure_future(ae.add_history([5], None))
+        with pytest.raises(EngineClosedError, match="engine thread failed: OverflowError"):
+            await task
+        # A command queued meanwhile is answered too (done before the failure, or failed).
+        await asyncio.wait([queued])
+        assert queued.done()
+        assert not ae.is_running
+        with pytest.raises(EngineClosedError):
+            await ae.generate(req("late"))
+        await ae.close()
+
+    run(main)
+    assert ("abort", "long") in fake.calls and not fake._left
+
+
+def test_generate_all_admits_all_or_none() -> None:
+    engine = Engine(init_random(ModelConfig.from_dict(TINY), seed=0),
+                    EngineConfig(num_kv_blocks=8, block_size=8, max_num_batched_tokens=256))
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    ok = GenRequest("ok", (1, 2, 3), sp)
+    too_big = GenRequest("big", (1,) * 100, sp)  # within the context, beyond the KV cache
+
+    async def main() -> list[GenResult]:
+        async with AsyncEngine(engine) as ae:
+            with pytest.raises(ValueError, match="KV cache"):
+                await ae.generate_all([ok, too_big])
+            assert ae.stats().num_aborted == 0 and ae.load().num_waiting == 0
+            return await ae.generate_all([ok, GenRequest("ok2", (4, 5), sp)])
+
+    results = run(main)
+    assert [r.request_id for r in results] == ["ok", "ok2"]
+    assert engine.stats.num_aborted == 0 and engine.stats.num_finished == 2
+
+    # An engine without add_requests gets them one by one (a refusal aborts the ones
+    # before it).
+    fake = FakeEngine()
+
+    async def fake_main() -> None:
+        async with AsyncEngine(fake) as ae:  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                await ae.generate_all([req("a", 3), req("b", first=99)])
+            assert ("abort", "a") in fake.calls and not fake._left
+            assert [r.request_id for r in await ae.generate_all([req("c"), req("d", 2)])] \
+                == ["c", "d"]
+
+    run(fake_main)
+
+
 def test_cancelled_generate_aborts_the_request() -> None:
     fake = FakeEngine(step_s=0.001)
 

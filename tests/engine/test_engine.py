@@ -3,6 +3,7 @@ prefix reuse, preemption, weight reload, bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -237,6 +238,40 @@ def test_stop_tokens_and_stop_strings(model64: CausalLM) -> None:
     assert got.endswith(stop) and stop not in got[:-1]
 
 
+def test_a_stop_string_ends_a_step_that_also_holds_a_stop_token() -> None:
+    # With drafts one step emits several tokens: here a stop string completes at the
+    # 6th token and the stop token is the 8th, both in the second step. The output
+    # ends at whichever comes first, as without speculation. (Its own model: the
+    # shared one gets other weights loaded by earlier tests.)
+    model = tiny_model(0, torch.float64)
+
+    class CharTokenizer:
+        def decode(self, ids: list[int]) -> str:
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    def engine(mode: str) -> Engine:
+        return Engine(model, EngineConfig(
+            dtype="float64", block_size=4, num_kv_blocks=64, spec_mode=mode,
+            spec=SpecConfig(min_prob=0.0, max_spec_tokens=8)), tokenizer=CharTokenizer())
+
+    prompt = (1, 2, 3, 4)
+    off, spec = engine("off"), engine("always")
+    free = off.generate([GenRequest("f", prompt, GREEDY)])[0].output_ids
+    spec.generate([GenRequest("f", prompt, GREEDY)])  # its history drafts the next one
+    stop_tok = free[7]
+    stop = CharTokenizer().decode(list(free[4:6]))
+    assert free.index(stop_tok) == 7 and stop not in CharTokenizer().decode(list(free[:5]))
+    sp = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=(stop_tok,),
+                        stop=(stop,))
+    want = off.generate([GenRequest("a", prompt, sp)])[0]
+    got = spec.generate([GenRequest("b", prompt, sp)])[0]
+    assert want.output_ids == free[:6] and want.finish_reason == "stop"
+    assert got.output_ids == want.output_ids and got.finish_reason == "stop"
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-9)
+    assert got.num_forward_passes == 2  # the prefill, then one step of drafts
+    spec.check_integrity()
+
+
 def test_bad_requests_raise_and_engine_keeps_working(model64: CausalLM) -> None:
     eng = make_engine(model64, spec_mode="off", num_kv_blocks=64)
     sp = SamplingParams(temperature=0.0, max_tokens=4)
@@ -258,6 +293,29 @@ def test_bad_requests_raise_and_engine_keeps_working(model64: CausalLM) -> None:
         out += eng.step()
     assert [r.request_id for r in out] == ["ok"] and len(out[0].output_ids) == 4
     assert eng.stats.num_finished == 1
+
+
+def test_requests_added_together_are_all_or_none(model64: CausalLM) -> None:
+    eng = make_engine(model64, spec_mode="off", num_kv_blocks=64)  # 256 tokens of KV
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    eng.generate([GenRequest("t1", (5, 6, 7), sp, trajectory_id="T")])
+    assert eng.held_length("T") == 7 and eng.held_length("other") is None
+    turn = GenRequest("t2", (8, 9), sp, trajectory_id="T", continues=True)
+    refused = [
+        ([turn, GenRequest("big", (1,) * 250, SamplingParams(max_tokens=10))], "KV cache"),
+        ([turn, dataclasses.replace(turn, request_id="t2b")], "not held"),  # one claim each
+        ([GenRequest("x", (1,), sp, trajectory_id="T"), turn], "not held"),
+        ([turn, turn], "twice"),
+    ]
+    for batch, needle in refused:
+        with pytest.raises(ValueError, match=needle):
+            eng.add_requests(batch)
+        # Nothing was queued, aborted or taken over: the trajectory still continues.
+        assert not eng.has_unfinished() and eng.stats.num_aborted == 0
+        assert eng.held_length("T") == 7 and eng.drafts.num_idle == 1
+    [res] = eng.generate([turn])
+    assert res.num_prompt_tokens == 7 + 2 and len(res.output_ids) == 4
+    eng.check_integrity()
 
 
 def test_abort_returns_partial_result(model64: CausalLM) -> None:

@@ -186,6 +186,33 @@ def test_async_engine_waits_for_the_hold_then_serves(model64: CausalLM) -> None:
     assert steps < 50  # and slept until then instead of spinning (thousands of steps)
 
 
+def test_a_hold_longer_than_a_wait_can_be(model64: CausalLM) -> None:
+    # 1e10 s is beyond threading.TIMEOUT_MAX: waiting for its expiry must not kill the
+    # engine thread; the cold request waits until the trajectory is finished.
+    cfg = EngineConfig(dtype="float64", block_size=4, num_kv_blocks=16, spec_mode="off",
+                       kv_hold_s=1e10, admit_whole_prompt=True)
+    engine = Engine(model64, cfg)
+
+    async def main() -> GenResult:
+        async with AsyncEngine(engine) as ae:
+            await ae.generate(GenRequest("t0", PROMPT_T, SP, trajectory_id="t"))
+            cold = asyncio.ensure_future(ae.generate(GenRequest("c", PROMPT_C, SP)))
+            for _ in range(500):
+                if engine.scheduler.blocked:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # the thread waits on the hold now
+            assert engine.scheduler.blocked and not cold.done() and ae.is_running
+            assert await ae.finish_trajectory("t")
+            return await cold
+
+    async def bounded() -> GenResult:
+        return await asyncio.wait_for(main(), 30.0)
+
+    res = asyncio.run(bounded())
+    assert res.finish_reason == "length" and len(res.output_ids) == SP.max_tokens
+
+
 def test_hold_settings_are_validated() -> None:
     for bad in (-1.0, float("inf"), float("nan"), True, "1"):
         with pytest.raises(ValueError, match="kv_hold_s"):

@@ -389,6 +389,32 @@ def test_loader_errors(saved: tuple[CausalLM, Path], tmp_path: Path) -> None:
     assert "lm_head.weight" not in load_model(folder).state_dict()
 
 
+def test_malformed_weight_files_are_value_errors(saved: tuple[CausalLM, Path],
+                                                 tmp_path: Path) -> None:
+    # safetensors' own error is a plain Exception, and a non-string shard name in an
+    # index a TypeError: both are bad input, named as such.
+    _, folder = saved
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((folder / "config.json").read_text())
+    weights = bad / "model.safetensors"
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbagegarbage")
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a valid safetensors"):
+        load_model(bad)
+    weights.write_bytes((folder / "model.safetensors").read_bytes()[:-100])  # truncated
+    with pytest.raises(ValueError, match="is not a valid safetensors"):
+        load_model(bad)
+    weights.unlink()
+    index = bad / "model.safetensors.index.json"
+    for weight_map, needle in (({"a": 5}, r"weight_map\['a'\] must be a file name, got 5"),
+                               ({"a": ""}, "must be a file name"),
+                               (["x.safetensors"], "weight_map must map"),
+                               ({"a": None}, "got None")):
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(ValueError, match=needle):
+            load_model(bad)
+
+
 def test_load_weights(saved: tuple[CausalLM, Path]) -> None:
     model, _ = saved
     other = init_random(model.config, seed=9, dtype=torch.float64)

@@ -108,6 +108,22 @@ def test_greedy_is_one_hot_with_lowest_index_ties() -> None:
         [[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0]], dtype=torch.float64))
 
 
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-201])
+def test_a_vanishing_temperature_is_greedy(temperature: float) -> None:
+    # logits / 1e-310 overflow to inf and softmax gives NaN; the limit is greedy.
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0], [-5.0, -7.0, -6.0, -9.0]])
+    params = SamplingParams(temperature=temperature, top_k=2, top_p=0.5)
+    p = sampling_probs(logits, params)
+    torch.testing.assert_close(p, torch.tensor([[0, 1, 0, 0], [1, 0, 0, 0]],
+                                               dtype=torch.float64))
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    assert sample_batch(logits, [params] * 2, gens).tokens == (1, 0)
+    # From the floor up the temperature divides as always: tied maxima share the mass.
+    at = sampling_probs(logits, SamplingParams(temperature=sampling.MIN_TEMPERATURE))
+    torch.testing.assert_close(at, torch.tensor([[0, 0.5, 0, 0.5], [1, 0, 0, 0]],
+                                                dtype=torch.float64))
+
+
 def test_rows_with_their_own_params_match_single_rows() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 3000, generator=gen) * 2

@@ -143,6 +143,9 @@ def test_several_prompts_give_several_choices(client: TestClient) -> None:
     ({"prompt": [True, 2]}, 400, "prompt must be token ids"),
     ({"prompt": 5}, 400, "got int"),
     ({"prompt": [[1, 2], [3, "a"]]}, 400, "prompt[1]: token ids must be ints"),
+    ({"prompt": [[1, None]]}, 400, "prompt[0]: token ids must be ints, got None"),
+    ({"prompt": [[1, 2], [None, 3]]}, 400, "prompt[1]: token ids must be ints, got None"),
+    ({"prompt": [[1], [2]], "trajectory_id": "tr"}, 400, "takes one prompt, got 2"),
     ({"prompt": [5], "n": 2}, 400, "n must be 1"),
     ({"prompt": [5], "stream": True}, 400, "stream"),
     ({"prompt": [5], "echo": True}, 400, "echo"),
@@ -418,6 +421,32 @@ def test_weight_update_and_rl_step_endpoints(tmp_path: Path) -> None:
         asyncio.run(ae.close())
 
 
+def test_weights_that_do_not_load_are_a_400_and_change_nothing(tmp_path: Path) -> None:
+    engine = tiny_engine()
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    good = tmp_path / "good"
+    save_model(init_random(ModelConfig.from_dict(TINY), seed=7, dtype=torch.float32), good)
+    corrupt, index = tmp_path / "corrupt", tmp_path / "index"
+    for folder in (corrupt, index):
+        folder.mkdir()
+        (folder / "config.json").write_text((good / "config.json").read_text())
+    (corrupt / "model.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"garbage!")
+    (index / "model.safetensors.index.json").write_text('{"weight_map": {"a": 5}}')
+    ae = AsyncEngine(engine)
+    try:
+        with TestClient(create_app(ae, model_name="tiny")) as c:
+            for folder, needle in ((corrupt, "not a valid safetensors file"),
+                                   (index, "must be a file name")):
+                r = c.post("/v1/weights", json={"path": str(folder)})
+                assert r.status_code == 400 and needle in r.json()["error"]["message"]
+            assert c.get("/health").json()["weight_version"] == 0
+            assert complete(c, prompt=[3, 4], max_tokens=2).status_code == 200
+    finally:
+        asyncio.run(ae.close())
+    after = engine.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_continuing_a_trajectory_over_http(client: TestClient) -> None:
     first = complete(client, prompt=[3, 4, 5, 6], max_tokens=4, temperature=0.0,
                      trajectory_id="conv", ignore_eos=True).json()
@@ -432,6 +461,58 @@ def test_continuing_a_trajectory_over_http(client: TestClient) -> None:
                        continues=True)
     assert missing.status_code == 409
     assert missing.json()["error"]["code"] == "unknown_trajectory"
+
+
+def test_continuing_with_the_rest_of_the_context_as_max_tokens(client: TestClient) -> None:
+    first = complete(client, prompt=[3, 4, 5, 6], max_tokens=4, temperature=0.0,
+                     trajectory_id="rest", ignore_eos=True)
+    assert first.status_code == 200, first.text
+    # max_tokens null: what the context length leaves after the held 8 tokens + 2 new.
+    cont = complete(client, prompt=[7, 8], max_tokens=None, temperature=0.0,
+                    trajectory_id="rest", continues=True, ignore_eos=True)
+    assert cont.status_code == 200, cont.text
+    usage = cont.json()["usage"]
+    assert usage["prompt_tokens"] == 10 and usage["completion_tokens"] == MAX_LEN - 10
+    full = complete(client, prompt=[9], max_tokens=None, trajectory_id="rest",
+                    continues=True)
+    assert full.status_code == 400 and "leaves no room" in full.json()["error"]["message"]
+    unknown = complete(client, prompt=[9], max_tokens=None, trajectory_id="rest-nope",
+                       continues=True)
+    assert unknown.status_code == 409
+
+
+def test_a_refused_turn_of_several_prompts_leaves_the_trajectory(client: TestClient) -> None:
+    first = complete(client, prompt=[3, 4, 5], max_tokens=4, temperature=0.0,
+                     trajectory_id="two", ignore_eos=True)
+    assert first.status_code == 200
+    bad = complete(client, prompt=[[8, 9], [10]], max_tokens=4, temperature=0.0,
+                   trajectory_id="two", continues=True)
+    assert bad.status_code == 400 and "one prompt" in bad.json()["error"]["message"]
+    good = complete(client, prompt=[8, 9], max_tokens=4, temperature=0.0,
+                    trajectory_id="two", continues=True, ignore_eos=True)
+    assert good.status_code == 200, good.text
+    assert good.json()["usage"]["prompt_tokens"] == 3 + 4 + 2
+
+
+def test_a_dead_engine_thread_is_a_503() -> None:
+    ae = AsyncEngine(FakeEngine())  # type: ignore[arg-type]
+
+    def broken() -> None:  # a bug in the thread's own loop, not in a step
+        raise RuntimeError("loop bug")
+
+    async def kill() -> None:  # bounded: the command is answered even as the thread dies
+        await asyncio.wait_for(ae.add_history([1], None), 10.0)
+
+    with TestClient(create_app(ae)) as c:
+        assert c.post("/v1/completions", json={"prompt": [1, 2]}).status_code == 200
+        ae._snapshot = broken  # type: ignore[method-assign]
+        asyncio.run(kill())
+        assert not ae.is_running
+        r = c.post("/v1/completions", json={"prompt": [1, 2]})
+        assert r.status_code == 503 and "engine thread failed" in r.json()["error"]["message"]
+        assert c.post("/v1/history", json={"token_ids": [1]}).status_code == 503
+        assert c.get("/health").status_code == 503
+    asyncio.run(ae.close())
 
 
 def test_unless_hung_up_leaves_the_callers_own_cancellation_alone() -> None:

@@ -4,8 +4,9 @@ Knows: how to own an engine from one background thread (it is not thread-safe),
 how to pass work to that thread (a FIFO command queue it drains between steps),
 how to hand results back to asyncio futures (``loop.call_soon_threadsafe``), how
 to abort a request whose awaiting task was cancelled, and what to do when a step
-fails (fail the in-flight requests, keep serving). Keeps cheap snapshots of the
-engine's load and counters for other threads.
+fails (fail the in-flight requests, keep serving) or the thread's own loop does (fail
+every request, queued or in flight, and refuse new ones, as if closed). Keeps cheap
+snapshots of the engine's load and counters for other threads.
 
 Does not know HTTP (``war.engine.server``), metrics formats (``war.engine.metrics``),
 routing, or how the engine schedules, drafts and samples; it only calls the
@@ -24,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -74,6 +75,16 @@ class EngineLike(Protocol):
     def finish_trajectory(self, trajectory_id: str) -> bool: ...
 
     def wait_s(self) -> float | None: ...
+
+
+@runtime_checkable
+class BatchEngine(Protocol):
+    """What ``Engine`` offers beyond ``EngineLike`` for requests of several prompts and
+    continuing requests; ``AsyncEngine`` uses it where the engine has it."""
+
+    def add_requests(self, requests: Sequence[GenRequest]) -> None: ...
+
+    def held_length(self, trajectory_id: str) -> int | None: ...
 
 
 class EngineClosedError(RuntimeError):
@@ -137,7 +148,9 @@ class AsyncEngine:
         self._join_timeout_s = join_timeout_s
         self._cond = threading.Condition()
         self._commands: deque[_Command] = deque()  # guarded by _cond
+        self._taken: deque[_Command] = deque()  # taken from _commands, not run yet; thread only
         self._closing = False  # guarded by _cond; no command is accepted once set
+        self._closed = "the AsyncEngine is closed"  # why, for those refused then
         self._thread: threading.Thread | None = None
         self._inflight: dict[str, _Waiter] = {}  # only the engine thread touches it
         self._outbox: list[tuple[_Waiter, object, BaseException | None]] = []  # thread only
@@ -163,7 +176,7 @@ class AsyncEngine:
         """Starts the engine thread (idempotent). Raises ``EngineClosedError`` after close."""
         with self._cond:
             if self._closing:
-                raise EngineClosedError("the AsyncEngine is closed")
+                raise EngineClosedError(self._closed)
             if self._thread is not None:
                 return
             self._thread = threading.Thread(
@@ -231,6 +244,62 @@ class AsyncEngine:
             raise
         return result
 
+    async def generate_all(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+        """Generates several requests; results in the order given. They are admitted
+        together: if the engine refuses one (``ValueError``), none is admitted and
+        nothing has changed (an engine without ``add_requests`` gets them one by one,
+        and those admitted before the refused one are aborted). If one fails later, or
+        the awaiting task is cancelled, the others are aborted."""
+        reqs = list(requests)
+        waiters = [self._waiter() for _ in reqs]
+
+        def add(engine: EngineLike) -> None:
+            dup = next((r.request_id for r in reqs if r.request_id in self._inflight), None)
+            if dup is not None:
+                raise ValueError(f"request {dup} is already in flight")
+            if isinstance(engine, BatchEngine):
+                engine.add_requests(reqs)
+            else:
+                for i, r in enumerate(reqs):
+                    try:
+                        engine.add_request(r)
+                    except Exception:
+                        for before in reqs[:i]:
+                            with contextlib.suppress(Exception):  # the refusal is the news
+                                engine.abort(before.request_id)
+                        raise
+            for r, waiter in zip(reqs, waiters, strict=True):
+                self._inflight[r.request_id] = waiter
+
+        admitted = self._waiter()
+        self._submit(add, admitted)
+        try:
+            await admitted.future
+            return list(await asyncio.gather(*(w.future for w in waiters)))
+        except BaseException:
+            done = admitted.future.done() and not admitted.future.cancelled()
+            refused = done and admitted.future.exception() is not None
+            for r, waiter in zip(reqs, waiters, strict=True):
+                if waiter.future.done():
+                    if not waiter.future.cancelled():
+                        waiter.future.exception()  # retrieved: asyncio need not warn
+                else:
+                    waiter.future.cancel()  # its result, if any, is dropped
+                if not refused:  # admitted, or may still be: abort what is left
+                    self._abort_later(r.request_id, waiter)
+            raise
+
+    async def held_length(self, trajectory_id: str) -> int | None:
+        """How many tokens the engine holds for the trajectory, which a continuing
+        request's prompt is appended to (None: none, or the engine cannot tell)."""
+
+        def held(engine: EngineLike) -> int | None:
+            if isinstance(engine, BatchEngine):
+                return engine.held_length(trajectory_id)
+            return None
+
+        return await self.call(held)
+
     async def abort(self, request_id: str) -> GenResult | None:
         """Aborts a request; its ``generate`` call returns the partial result
         (``finish_reason == "abort"``). Returns that result (None if unknown)."""
@@ -278,7 +347,7 @@ class AsyncEngine:
     def _submit(self, fn: Callable[[EngineLike], object], waiter: _Waiter | None) -> None:
         with self._cond:
             if self._closing:
-                raise EngineClosedError("the AsyncEngine is closed")
+                raise EngineClosedError(self._closed)
             if self._thread is None:
                 raise RuntimeError("the AsyncEngine is not started: call start() first")
             self._commands.append(_Command(fn, waiter))
@@ -296,6 +365,37 @@ class AsyncEngine:
             self._submit(abort, None)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # a bug here, not in a step: nothing would answer again
+            log.exception("the engine thread failed; failing every request")
+            self._die(e)
+
+    def _die(self, cause: BaseException) -> None:
+        """The loop itself raised: fails the in-flight requests and the queued commands
+        with ``EngineClosedError`` (the replica is gone, as after ``close()``), and
+        refuses every later submission, so that no await is left pending forever."""
+        why = f"the engine thread failed: {type(cause).__name__}: {cause}"
+        error = EngineClosedError(why)
+        error.__cause__ = cause
+        with self._cond:
+            self._closing = True  # _submit refuses from now on; is_running is False
+            self._closed = f"the AsyncEngine is closed: {why}"
+            commands = [*self._taken, *self._commands]
+            self._taken.clear()
+            self._commands.clear()
+        inflight = list(self._inflight.items())
+        self._inflight.clear()
+        for rid, waiter in inflight:
+            with contextlib.suppress(Exception):  # best effort: the engine may be broken
+                self._engine.abort(rid)
+            self._post(waiter, error=error)
+        for command in commands:
+            if command.waiter is not None:
+                self._post(command.waiter, error=error)
+        self._flush()
+
+    def _loop(self) -> None:
         stalled = False  # a step failed and left work behind: wait for a command
         held: float | None = None  # the last step ran nothing: held KV (seconds left)
         while True:
@@ -305,23 +405,25 @@ class AsyncEngine:
                     # Held contexts fill the KV: wait for a command (a trajectory's
                     # next turn) or the first hold's expiry, then step again.
                     if not self._commands and not self._closing:
-                        self._cond.wait(timeout=held)
+                        # A hold may be longer than a wait can be ("hold forever").
+                        self._cond.wait(timeout=min(held, threading.TIMEOUT_MAX))
                 else:
                     while not self._commands and not self._closing and not busy:
                         self._cond.wait()
-                commands = list(self._commands)
+                got = bool(self._commands)
+                self._taken.extend(self._commands)
                 self._commands.clear()
                 closing = self._closing
-            if commands:
+            if got:
                 stalled = False
-                for command in commands:
-                    self._execute(command)
+                while self._taken:
+                    self._execute(self._taken.popleft())
             if closing:
                 self._shutdown()
                 return
             # Snapshot first, then wake the awaiters: what they read is never older.
             # Commands are answered before the next (maybe long) step.
-            if commands:
+            if got:
                 self._snapshot()
                 self._flush()
             held = None

@@ -126,13 +126,45 @@ class Engine:
 
     def add_request(self, request: GenRequest) -> None:
         """Queues a request; raises ValueError (naming it) if it cannot be served."""
+        self.add_requests([request])
+
+    def add_requests(self, requests: Iterable[GenRequest]) -> None:
+        """Queues several requests, all or none: every one is checked before any is
+        queued, so a ``ValueError`` (naming the request) leaves the engine, its
+        trajectories and their held contexts as they were. The requests are checked
+        as if added one after another: a continuing request whose trajectory an
+        earlier one of them names finds it taken (``UnknownTrajectory``)."""
+        checked: list[GenRequest] = []
+        ids: set[str] = set()
+        named: set[str] = set()
+        for request in requests:
+            rid = request.request_id
+            if rid in ids:
+                raise ValueError(f"request {rid} appears twice in one batch")
+            checked.append(self._checked(request, taken=named))
+            ids.add(rid)
+            if request.trajectory_id is not None:
+                named.add(request.trajectory_id)
+        for request in checked:
+            self._admit(request)
+
+    def held_length(self, trajectory_id: str) -> int | None:
+        """How many tokens a continuing request of ``trajectory_id`` is appended to
+        (its last prompt and output); None when the trajectory is not held."""
+        held = self.drafts.held_tokens(trajectory_id)
+        return None if held is None else len(held)
+
+    def _checked(self, request: GenRequest, taken: set[str]) -> GenRequest:
+        """``request`` with a continuing request's held context prepended, once it is
+        known to be servable (``taken``: trajectories that requests queued before it
+        take over). Changes nothing; raises ValueError naming the request."""
         rid = request.request_id
         if rid in self._seqs:
             raise ValueError(f"request {rid} is already in flight")
         if request.continues:
             assert request.trajectory_id is not None
             held = self.drafts.held_tokens(request.trajectory_id)
-            if held is None:
+            if held is None or request.trajectory_id in taken:
                 raise UnknownTrajectory(
                     f"request {rid}: trajectory {request.trajectory_id} is not held by this "
                     "replica (or has a request in flight); send the whole context")
@@ -158,11 +190,16 @@ class Engine:
                 f"request {rid}: {total} tokens exceed the KV cache ({capacity} tokens)")
         if sp.stop and self.tokenizer is None:
             raise ValueError(f"request {rid}: stop strings need an engine with a tokenizer")
+        return request
+
+    def _admit(self, request: GenRequest) -> None:
+        """Queues a request ``_checked`` returned."""
+        sp = request.sampling
         sid = self.drafts.begin(request.prompt_ids, request.trajectory_id, request.group_id)
         self._arrivals += 1
         seq = Sequence(request, sid, self._arrivals,
                        make_generator(sp.seed, self._generator), self._clock())
-        self._seqs[rid] = seq
+        self._seqs[request.request_id] = seq
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> GenResult | None:
@@ -184,8 +221,7 @@ class Engine:
     def generate(self, requests: Iterable[GenRequest]) -> list[GenResult]:
         """Runs requests to completion; results in the order given."""
         reqs = list(requests)
-        for r in reqs:
-            self.add_request(r)
+        self.add_requests(reqs)
         wanted = {r.request_id for r in reqs}
         done: dict[str, GenResult] = {}
         while wanted - done.keys():
@@ -399,7 +435,10 @@ class Engine:
         seq.num_computed = fed_end + min(len(tokens), m)
         seq.token_ids.extend(tokens)
         seq.logprobs.extend(logprobs)
-        if sp.stop and not stopped:
+        if sp.stop:
+            # Even when a stop token ended the step's tokens: with drafts one step emits
+            # several, and a stop string may complete before that token. The first cut
+            # wins, as decoding token by token would have found it first.
             cut = self._stop_string_cut(seq, len(tokens))
             if cut is not None:
                 drop = len(tokens) - cut

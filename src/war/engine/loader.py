@@ -10,11 +10,14 @@ generation settings, quantised formats, nor where folders come from (no download
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from war.engine.model import CausalLM
@@ -31,6 +34,13 @@ def _weight_files(folder: Path) -> list[Path]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index} is not a valid safetensors index: {e}") from e
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: weight_map must map tensor names to file names, "
+                             f"got {type(weight_map).__name__}")
+        bad = next((k for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+        if bad is not None:
+            raise ValueError(f"{index}: weight_map[{bad!r}] must be a file name, "
+                             f"got {weight_map[bad]!r}")
         files = [folder / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -42,13 +52,26 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
+@contextlib.contextmanager
+def _open(file: Path, device: str | None = None) -> Iterator[Any]:
+    """``safe_open``, whose errors (a plain ``Exception`` subclass) become ``ValueError``s
+    naming the file: a corrupt or truncated file is bad input, not a server fault."""
+    kwargs = {} if device is None else {"device": device}
+    try:
+        with safe_open(str(file), framework="pt", **kwargs) as h:
+            yield h
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a valid safetensors file: {e}") from e
+
+
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> CausalLM:
     """Build the model described by ``folder/config.json`` and load its weights.
 
     Raises ``FileNotFoundError`` for a missing folder, config or weight file, and
-    ``ValueError`` for an unsupported config or for missing, unexpected, repeated
-    or wrongly shaped tensors (checked before any weight is read).
+    ``ValueError`` for an unsupported config, a malformed index or safetensors file,
+    or missing, unexpected, repeated or wrongly shaped tensors (checked before any
+    weight is read). The model is new: nothing existing is changed when this raises.
     """
     root = Path(folder)
     if not root.is_dir():
@@ -57,7 +80,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     files = _weight_files(root)
     shapes: dict[str, list[int]] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as h:
+        with _open(f) as h:
             for name in h.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name in shapes:
                     raise ValueError(f"tensor {name} appears in more than one file ({f.name})")
@@ -71,7 +94,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     params = dict(model.named_parameters())
     with torch.no_grad():
         for f in files:
-            with safe_open(str(f), framework="pt", device="cpu") as h:
+            with _open(f, device="cpu") as h:
                 for name in h.keys():  # noqa: SIM118
                     if name not in skip:
                         params[name].copy_(h.get_tensor(name))

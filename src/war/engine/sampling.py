@@ -14,7 +14,9 @@ the logits come from.
 Semantics, in order, of ``sampling_probs`` for one row:
 
 * temperature 0 (greedy): one-hot at the argmax of the raw logits (ties: lowest index);
-  top-k and top-p are then moot;
+  top-k and top-p are then moot. So is a temperature below ``MIN_TEMPERATURE`` (1e-200),
+  the limit it is that close to: ``logits / temperature`` would overflow to inf there
+  and softmax would be NaN;
 * otherwise ``softmax(logits / temperature)``;
 * top-k (``k > 0`` and ``k < V``): tokens whose probability is below the k-th largest are
   dropped (tokens tied with the k-th are kept, as in Hugging Face and vLLM), renormalized;
@@ -34,6 +36,10 @@ from torch import Tensor
 from war.types import SamplingParams
 
 _SEED_SPACE = 2**64
+# Below this temperature a row is greedy. Above it logits / temperature stays finite in
+# float64 for any float32 logit (3.4e38 / 1e-200 = 3.4e238), so every temperature that
+# worked before gives the same bits; below it the quotient can overflow to inf.
+MIN_TEMPERATURE = 1e-200
 _FALLBACK_SEED_HIGH = 2**63 - 1
 
 
@@ -138,17 +144,18 @@ def sampling_probs_rows(logits: Tensor, params: Sequence[SamplingParams]) -> Ten
     if len(params) != n:
         raise ValueError(f"{len(params)} params for {n} rows of logits")
     x = logits.to(torch.float64)
-    temps = [1.0 if p.greedy else p.temperature for p in params]
+    cold = [p.temperature < MIN_TEMPERATURE for p in params]  # greedy rows (temperature 0 too)
+    temps = [1.0 if g else p.temperature for g, p in zip(cold, params, strict=True)]
     if any(t != 1.0 for t in temps):
         x = x / torch.tensor(temps, dtype=torch.float64, device=x.device).unsqueeze(1)
     probs = torch.softmax(x, dim=-1)
-    ks = [0 if p.greedy or p.top_k >= vocab else p.top_k for p in params]
+    ks = [0 if g or p.top_k >= vocab else p.top_k for g, p in zip(cold, params, strict=True)]
     if any(k > 0 for k in ks):
         probs = _top_k(probs, ks)
-    tops = [1.0 if p.greedy else p.top_p for p in params]
+    tops = [1.0 if g else p.top_p for g, p in zip(cold, params, strict=True)]
     if any(t < 1.0 for t in tops):
         probs = _top_p(probs, tops)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
+    greedy = [i for i, g in enumerate(cold) if g]
     if greedy:
         idx = _rows_index(greedy, logits.device)
         best = logits[idx].argmax(dim=-1)

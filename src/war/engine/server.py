@@ -16,7 +16,6 @@ metrics are named (``war.engine.metrics``), or how the process is started
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 import time
@@ -49,18 +48,6 @@ from war.api import (
 from war.engine.async_engine import AsyncEngine, EngineClosedError, EngineLike, EngineStepError
 from war.engine.metrics import CONTENT_TYPE, ReplicaMetrics
 from war.types import GenRequest, GenResult, SamplingParams, UnknownTrajectory
-
-
-async def _generate_all(engine: AsyncEngine, requests: Sequence[GenRequest]) -> list[GenResult]:
-    """Generates every request; if one fails, the others are cancelled (aborted)."""
-    tasks = [asyncio.ensure_future(engine.generate(r)) for r in requests]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.wait(tasks)
-        raise
 
 
 class _Completions:
@@ -102,9 +89,10 @@ class _Completions:
             prompts = [self._encode(p) for p in prompt]
         elif all(isinstance(p, list) for p in prompt):
             for i, p in enumerate(prompt):
-                bad = next((t for t in p if not is_token(t)), None)
-                if bad is not None:
-                    raise APIError(400, f"prompt[{i}]: token ids must be ints, got {bad!r}",
+                # An index, not the element: a bad element may be None itself.
+                j = next((j for j, t in enumerate(p) if not is_token(t)), None)
+                if j is not None:
+                    raise APIError(400, f"prompt[{i}]: token ids must be ints, got {p[j]!r}",
                                    param="prompt")
             prompts = [list(p) for p in prompt]
         else:
@@ -120,8 +108,15 @@ class _Completions:
                                f"[0, {self.vocab_size})", param="prompt")
         return prompts
 
-    def build(self, body: CompletionRequest, headers: Headers) -> tuple[str, list[GenRequest]]:
-        """The response id and one engine request per prompt (``<id>-<i>`` when several)."""
+    @staticmethod
+    def trajectory_id(body: CompletionRequest, headers: Headers) -> str | None:
+        return body.trajectory_id or headers.get("x-trajectory-id")
+
+    def build(self, body: CompletionRequest, headers: Headers, held: int = 0
+              ) -> tuple[str, list[GenRequest]]:
+        """The response id and one engine request per prompt (``<id>-<i>`` when several).
+        ``held``: the tokens the engine holds for a continuing request's trajectory (its
+        prompt is appended to them), for the default ``max_tokens``."""
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist "
                            f"(this server serves {self.model_name!r})",
@@ -156,7 +151,7 @@ class _Completions:
                            "use stop_token_ids", param="stop")
 
         rid = body.request_id or headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
-        trajectory_id = body.trajectory_id or headers.get("x-trajectory-id")
+        trajectory_id = self.trajectory_id(body, headers)
         group_id = body.group_id or headers.get("x-group-id")
         priority = body.priority
         if priority is None and "x-priority" in headers:
@@ -170,11 +165,24 @@ class _Completions:
             raise APIError(400, f"priority must be finite, got {priority}", param="priority")
 
         prompts = self._prompts(body.prompt)
+        if trajectory_id is not None and len(prompts) > 1:
+            # A trajectory is one line of turns: its prompts would all claim its draft
+            # tree, held context and KV (a continuing one fails on the first's claim).
+            raise APIError(400, f"a request of a trajectory (trajectory_id "
+                           f"{trajectory_id!r}) takes one prompt, got {len(prompts)}",
+                           param="prompt")
+        if not body.continues:
+            held = 0
         requests = []
         for i, ids in enumerate(prompts):
             max_tokens = body.max_tokens
-            if max_tokens is None:
-                max_tokens = self.max_model_len - len(ids)
+            if max_tokens is None:  # the rest of the context, after the whole prompt
+                max_tokens = self.max_model_len - held - len(ids)
+                if max_tokens < 1:
+                    size = f"{held} held + {len(ids)} new" if held else f"{len(ids)}"
+                    raise APIError(400, f"the prompt ({size} tokens) leaves no room in "
+                                   f"the context length {self.max_model_len}",
+                                   param="max_tokens")
             if max_tokens < 1:
                 raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}",
                                param="max_tokens")
@@ -286,9 +294,16 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
         status = 500
         try:
             try:
-                rid, reqs = completions.build(body, request.headers)
-                results = await unless_disconnected(
-                    request, _generate_all(async_engine, reqs))
+                held = 0
+                tid = completions.trajectory_id(body, request.headers)
+                if body.continues and body.max_tokens is None and tid is not None:
+                    # The default max_tokens is the rest of the context after the held
+                    # tokens too. (Only another turn of the same trajectory, sent
+                    # concurrently, could change them before the request is admitted;
+                    # the engine then refuses it.)
+                    held = await async_engine.held_length(tid) or 0
+                rid, reqs = completions.build(body, request.headers, held)
+                results = await unless_disconnected(request, async_engine.generate_all(reqs))
             except UnknownTrajectory as e:  # the client resends the whole context
                 raise APIError(409, str(e), code="unknown_trajectory") from None
             except ValueError as e:  # refused by the engine
