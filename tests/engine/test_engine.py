@@ -406,3 +406,38 @@ def test_continuing_requests_send_only_new_tokens(model64: CausalLM) -> None:
     eng.add_request(GenRequest("f", (1, 2), sp, trajectory_id="t", continues=True))
     with pytest.raises(UnknownTrajectory):
         eng.add_request(GenRequest("g", (3,), sp, trajectory_id="t", continues=True))
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"device": ""}, "device must be a torch device name"),
+    ({"device": 0}, "device must be a torch device name"),
+    ({"seed": "x"}, "seed must be an int"),
+    ({"seed": -1}, "seed must be an int"),
+    ({"seed": True}, "seed must be an int"),
+])
+def test_engine_config_refuses_bad_devices_and_seeds(settings: dict[str, object],
+                                                     message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**settings)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("foo", "is not a torch device"),
+    ("gpu", "is not a torch device"),
+    ("ipu", "WAR runs on cpu, cuda or mps devices"),
+])
+def test_an_unusable_device_is_a_value_error_before_anything_is_built(
+        model64: CausalLM, device: str, message: str) -> None:
+    """A device torch does not know, or one this process cannot use, is one ValueError
+    naming it (not a RuntimeError or AssertionError from inside torch), from the engine
+    and from the loader alike."""
+    from war.engine.loader import torch_device
+
+    with pytest.raises(ValueError, match=message):
+        torch_device(device)
+    with pytest.raises(ValueError, match=message):
+        Engine(model64, EngineConfig(dtype="float64", device=device))
+    assert torch_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            torch_device("cuda:0")

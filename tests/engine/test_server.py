@@ -341,6 +341,17 @@ def test_serve_reports_a_missing_model_folder(
     assert "file is not a folder (--model takes" in capsys.readouterr().err
 
 
+def test_serve_reports_an_unusable_device(capsys: pytest.CaptureFixture[str]) -> None:
+    """One error line, before any port is bound (a traceback from inside torch before)."""
+    from war import data
+
+    assert war_main(["serve", "--model", str(data.policy_path()), "--port", "0",
+                     "--device", "foo"]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("war: error: device 'foo' is not a torch device")
+    assert "Traceback" not in err
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -81,6 +81,14 @@ class EngineConfig:
             raise ValueError(f"spec_mode must be one of {SPEC_MODES}, got {self.spec_mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        # (whether this machine has the device is the loader's to say: war.engine.loader
+        # .torch_device; a config does no I/O)
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"device must be a torch device name (cpu, cuda, cuda:1...), "
+                             f"got {self.device!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
+                or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         if self.max_num_batched_tokens < self.spec.max_spec_tokens + 1:
             raise ValueError(
                 "max_num_batched_tokens must leave room for one draft: "

@@ -30,7 +30,7 @@ from war.engine.attention import KVCache, SeqInput, build_batch
 from war.engine.block_manager import BlockManager
 from war.engine.config import EngineConfig
 from war.engine.drafting import TrajectoryDrafts
-from war.engine.loader import load_model
+from war.engine.loader import load_model, torch_device
 from war.engine.model import CausalLM
 from war.engine.sampling import make_generator
 from war.engine.scheduler import Scheduler
@@ -78,7 +78,7 @@ class Engine:
     ) -> None:
         self.config = config if config is not None else EngineConfig()
         cfg = self.config
-        self.device = torch.device(cfg.device)
+        self.device = torch_device(cfg.device)
         self.dtype = _TORCH_DTYPES[cfg.dtype]
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model_config = model.config

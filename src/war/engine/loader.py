@@ -64,15 +64,41 @@ def _open(file: Path, device: str | None = None) -> Iterator[Any]:
         raise ValueError(f"{file} is not a valid safetensors file: {e}") from e
 
 
+def torch_device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device`` this process can use; ValueError naming it when
+    torch does not know it (``"gpu"``), or it is a CUDA or MPS device this torch build or
+    machine does not have (a CPU-only build has no ``"cuda"``; ``"cuda:3"`` on a machine
+    with two GPUs), rather than a RuntimeError or AssertionError from deep inside torch
+    once a model is being built."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this torch build or machine has no CUDA "
+                             "device (torch.cuda.is_available() is False)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA "
+                             "device(s) here")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r}: MPS is not available here")
+    elif dev.type not in ("cpu", "cuda", "mps", "meta"):
+        raise ValueError(f"device {device!r}: WAR runs on cpu, cuda or mps devices")
+    return dev
+
+
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> CausalLM:
     """Build the model described by ``folder/config.json`` and load its weights.
 
     Raises ``FileNotFoundError`` for a missing folder, config or weight file, and
-    ``ValueError`` for an unsupported config, a malformed index or safetensors file,
+    ``ValueError`` for a device this process cannot use (``torch_device``), an
+    unsupported config, a malformed index or safetensors file,
     or missing, unexpected, repeated or wrongly shaped tensors (checked before any
     weight is read). The model is new: nothing existing is changed when this raises.
     """
+    device = torch_device(device)
     root = Path(folder)
     if not root.is_dir():
         raise FileNotFoundError(f"model folder {root} does not exist")
