@@ -223,15 +223,19 @@ def test_limits_end_episodes() -> None:
         run_step([task[0], task[0]], [rep], IO)
 
 
-def test_real_engines_end_to_end(tmp_path: Path) -> None:
-    """A random model over two in-process replicas: the loop runs, tokens, masks and
-    logprobs line up with what the engine sampled, and groups stay on one replica."""
-    vocab = IO.tokenizer.get_vocab_size()
-    cfg = ModelConfig.from_dict({
-        "model_type": "llama", "vocab_size": vocab, "hidden_size": 32,
+
+def _tiny_llama() -> ModelConfig:
+    """A one-layer Llama over the test tokenizer's vocabulary (random weights)."""
+    return ModelConfig.from_dict({
+        "model_type": "llama", "vocab_size": IO.tokenizer.get_vocab_size(), "hidden_size": 32,
         "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
         "num_key_value_heads": 1, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "tie_word_embeddings": True})
+
+def test_real_engines_end_to_end(tmp_path: Path) -> None:
+    """A random model over two in-process replicas: the loop runs, tokens, masks and
+    logprobs line up with what the engine sampled, and groups stay on one replica."""
+    cfg = _tiny_llama()
     replicas = {f"r{i}": AsyncEngine(Engine(init_random(cfg, seed=i, dtype=torch.float32),
                                             EngineConfig(num_kv_blocks=512, block_size=16)))
                 for i in range(2)}
@@ -397,12 +401,7 @@ def test_turns_fit_the_replicas_context_length() -> None:
 def test_real_engine_with_a_short_context() -> None:
     """An in-process engine whose max_model_len is just past the first prompt: turns
     are sized to fit, so no trajectory fails (before, every request was refused)."""
-    vocab = IO.tokenizer.get_vocab_size()
-    cfg = ModelConfig.from_dict({
-        "model_type": "llama", "vocab_size": vocab, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "tie_word_embeddings": True})
+    cfg = _tiny_llama()
     _, prompt, _, _ = _segments()
     limit = prompt + 6
     engine = AsyncEngine(Engine(init_random(cfg, seed=0, dtype=torch.float32),
