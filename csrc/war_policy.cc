@@ -115,7 +115,9 @@ const Replica* Policy::select(const Request& q, std::vector<Replica>* healthy_in
   if (!seen_.empty() && seen_[0].at < now - cfg_.finish_idle_s) expire_committed(now);
 
   // rule 1: the candidates
-  const int64_t need = context_len + q.max_tokens;
+  // (in 128 bits: max_tokens may be up to 2**63 - 1, as SamplingParams allows, and the sum
+  // must not wrap to a negative need that every replica fits)
+  const __int128 need = static_cast<__int128>(context_len) + q.max_tokens;
   cands_.clear();
   bool all_fit = true;
   for (const Replica& r : healthy) {

@@ -152,7 +152,10 @@ class Policy {
   nb::object select(nb::handle request, nb::handle replicas, nb::handle now_obj) {
     Busy busy(this);
     const double now = time_of(now_obj.ptr());
-    PyObject* seq = PySequence_Fast(replicas.ptr(), "replicas must be a sequence");
+    // A tuple of our own, not PySequence_Fast's view of a list: the views are read again
+    // after Python code has run (a view's __bool__, the tree's and estimator's calls), and
+    // that code may empty or resize the caller's list, freeing the array read here.
+    PyObject* seq = PySequence_Tuple(replicas.ptr());
     if (seq == nullptr) {
       if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw nb::python_error();
       PyErr_Clear();

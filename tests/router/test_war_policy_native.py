@@ -294,3 +294,48 @@ def test_the_hot_methods_are_native() -> None:
     assert p.name == "war" and isinstance(p.stats.sticky, int)
     assert type(p.tree).__name__ == "PrefixTree"
     assert type(p.progress).__name__ == "ProgressEstimator"
+
+
+def test_select_reads_its_own_copy_of_the_replicas() -> None:
+    """Python code run during a select (a view's ``__bool__`` here) may empty the
+    caller's list: the native policy reads a tuple of its own (it read the list's freed
+    array before: a crash). Run in a child process, so a regression fails this test
+    rather than ending the run."""
+    import subprocess
+    import sys
+
+    code = """
+from war.router.policies import ReplicaView, WarPolicy
+from war.router.policies.war_policy_reference import ReferenceWarPolicy
+from war.types import GenRequest, SamplingParams
+
+def views(target):
+    class Healthy:
+        def __bool__(self):
+            target.clear()
+            return True
+    target += [ReplicaView("r0", Healthy())] + [ReplicaView(f"r{i}") for i in range(1, 8)]
+    return target
+
+req = GenRequest("q", (1, 2, 3), SamplingParams(max_tokens=4))
+for _ in range(50):
+    a = WarPolicy().select(req, views([]), 0.0)
+    b = ReferenceWarPolicy().select(req, views([]), 0.0)
+    assert a == b, (a, b)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr)
+
+
+def test_a_huge_max_tokens_does_not_wrap() -> None:
+    """``SamplingParams`` allows max_tokens up to 2**63 - 1: context plus that must not
+    wrap to a negative need that every replica fits (the reference computes in Python
+    ints: no replica fits, so the largest is taken)."""
+    views = [ReplicaView("a", True, 0, 0, 10, 10), ReplicaView("b", True, 0, 0, 20, 20)]
+    for max_tokens in (2**63 - 1, 2**63 - 3, 2**62):
+        req = GenRequest("q", (1, 2, 3), SamplingParams(max_tokens=max_tokens))
+        native = WarPolicy().select(req, views, 0.0)
+        assert native == ReferenceWarPolicy().select(req, views, 0.0)
+        assert native.replica == "b"

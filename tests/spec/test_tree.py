@@ -156,3 +156,26 @@ def test_drafts_of_rejects_arrays_that_are_not_a_batch() -> None:
         with pytest.raises(ValueError):
             drafts_of(b)
     assert drafts_of(good) == d
+
+
+def test_numbers_beyond_any_float_or_int64_are_value_errors() -> None:
+    """Ints too large for a float (or for int64) are bad input like any other: a
+    ValueError naming them, not an OverflowError; a budget that large only means "as
+    many as the cap allows"; a depth over the native limit is refused before any
+    per-depth table is built (it was a multi-GB allocation)."""
+    t = SuffixTree(8)
+    t.append(0, [1, 2, 3, 1, 2])
+    for kwargs in ({"factor": 10**400}, {"offset": -(10**400)}, {"min_prob": 10**400},
+                   {"alpha": 10**400}, {"alpha": [10**400] * 9}):
+        with pytest.raises(ValueError):
+            t.speculate([1, 2], max_tokens=4, **kwargs)  # type: ignore[arg-type]
+    for field in ("factor", "alpha", "min_prob"):
+        with pytest.raises(ValueError, match=field):
+            SpecConfig(**{field: 10**400})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_depth must be <= 4096"):
+        SpecConfig(max_depth=2**31 - 1)
+    s = SuffixSpeculator(SpecConfig())
+    s.start(1, [1, 2, 3, 1, 2], group_id="g")
+    capped = s.propose([1], SpecConfig().max_spec_tokens)
+    for budget in (2**63, [10**30], np.uint64(2**64 - 1)):
+        assert s.propose([1], budget) == capped  # type: ignore[arg-type]

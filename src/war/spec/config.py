@@ -13,6 +13,9 @@ from dataclasses import dataclass
 COMBINES = ("best", "merge")
 """Values of ``SpecConfig.combine``."""
 
+MAX_DEPTH = 4096
+"""The deepest tree the native core builds (``war.spec.tree.SuffixTree``)."""
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -82,6 +85,9 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         _check_int("max_depth", self.max_depth, 1)
+        if self.max_depth > MAX_DEPTH:  # (before any per-depth table is built)
+            raise ValueError(f"max_depth must be <= {MAX_DEPTH} (the native trees' limit), "
+                             f"got {self.max_depth}")
         _check_int("max_spec_tokens", self.max_spec_tokens, 0)
         _check_int("lead_in", self.lead_in, 0)
         _check_float("factor", self.factor, 0.0)
@@ -159,6 +165,8 @@ def _check_int(name: str, value: object, low: int) -> None:
 def _check_float(name: str, value: object, low: float | None, high: float | None = None) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, int) and abs(value) > 2**1023:  # (float() would overflow)
+        raise ValueError(f"{name} must be finite, got {value!r}")
     v = float(value)
     if not math.isfinite(v):
         raise ValueError(f"{name} must be finite, got {value!r}")

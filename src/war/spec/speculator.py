@@ -289,7 +289,8 @@ class SuffixSpeculator:
         for v in values:
             if v < 0:
                 raise ValueError(f"budget must be >= 0, got {v}")
-        return np.minimum(np.asarray(values, dtype=np.int64), cap).astype(np.int32)
+        # (capped as Python ints: a budget beyond int64 is just "no limit but the cap")
+        return np.asarray([min(v, cap) for v in values], dtype=np.int32)
 
     # ------------------------------------------------------------ accounting
 

@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from war.spec import _C  # the native core (csrc/)
+from war.spec.config import MAX_DEPTH
 from war.types import Draft
 
 INT32_MAX = 2**31 - 1
@@ -150,11 +151,14 @@ AlphaLike = float | Sequence[float] | npt.NDArray[np.float64]
 def alpha_table(alpha: AlphaLike, max_depth: int) -> npt.NDArray[np.float64]:
     """Smoothing per trie depth ``0..max_depth``: a constant, or one value per depth."""
     if isinstance(alpha, (int, float, np.floating)) and not isinstance(alpha, bool):
-        values = np.full(max_depth + 1, float(alpha), dtype=np.float64)
+        try:
+            values = np.full(max_depth + 1, float(alpha), dtype=np.float64)
+        except OverflowError:  # an int beyond any float
+            raise ValueError(f"alpha values must be finite and >= 0, got {alpha!r}") from None
     else:
         try:
             values = np.asarray(alpha, dtype=np.float64)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ValueError(f"alpha must be a number or a sequence of numbers, got {alpha!r}") \
                 from None
         if values.ndim != 1 or values.size != max_depth + 1:
@@ -185,6 +189,8 @@ def draft_params(
                              ("min_prob", min_prob, 0.0)):
         if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
             raise ValueError(f"{name} must be a number, got {value!r}")
+        if isinstance(value, int) and abs(value) > 2**1023:  # (float() would overflow)
+            raise ValueError(f"{name} must be finite, got {value!r}")
         if not math.isfinite(float(value)) or (low is not None and float(value) < low):
             raise ValueError(f"{name} must be finite and >= {low}, got {value!r}")
     if float(min_prob) > 1.0:
@@ -204,9 +210,9 @@ class SuffixTree:
 
     def __init__(self, max_depth: int) -> None:
         if not isinstance(max_depth, int) or isinstance(max_depth, bool) or not (
-            1 <= max_depth <= 4096
+            1 <= max_depth <= MAX_DEPTH
         ):
-            raise ValueError(f"max_depth must be an int in [1, 4096], got {max_depth!r}")
+            raise ValueError(f"max_depth must be an int in [1, {MAX_DEPTH}], got {max_depth!r}")
         self._t = _C.SuffixTree(max_depth)
 
     @property
