@@ -55,7 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from war.backends import OpenAICompatBackend, WarHttpBackend
 from war.backends.base import Backend
-from war.outputs import output_file_arg, write_json
+from war.outputs import check_output_dir, output_file_arg, write_json, write_text_atomic
 from war.rollout.agent import AgentConfig, PolicyIO
 from war.rollout.bench import RunFigures, figures, with_lower_bounds
 from war.rollout.driver import RolloutConfig, run_step_async
@@ -90,6 +90,7 @@ SETUPS = {
     5: Setup(5, "vllm-suffix+war-router", "vllm", True, "war", "war"),
 }
 REFERENCE = 2  # ratios are against this configuration
+REPLICAS = 2
 
 
 @dataclass(frozen=True)
@@ -167,13 +168,27 @@ def replica_servers(setup: Setup, settings: BenchSettings, run_dir: Path) -> lis
     return out
 
 
+SGLANG_METRICS_OFFSET = 50  # sglang-router's Prometheus port, above its own
+
+
+def used_ports(port_base: int, replicas: int, keys: Sequence[int]) -> list[int]:
+    """The loopback ports the configurations ``keys`` listen on: a replica each at
+    ``port_base + 1 + i``; sglang-router at ``port_base`` and its metrics above (WAR's
+    router runs in process)."""
+    ports = [port_base + 1 + i for i in range(replicas)]
+    if any(SETUPS[k].front == "sglang" for k in keys):
+        ports += [port_base, port_base + SGLANG_METRICS_OFFSET]
+    return sorted(ports)
+
+
 def sglang_router(setup: Setup, settings: BenchSettings, run_dir: Path) -> Service:
     port = settings.port_base
     workers = [f"http://127.0.0.1:{settings.port_base + 1 + i}"
                for i in range(settings.run.replicas)]
     argv = [str(PEER_PYTHON), "-m", "sglang_router.launch_router", "--worker-urls", *workers,
             "--policy", setup.policy, "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 50)]
+            "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(port + SGLANG_METRICS_OFFSET)]
     return _server("sglang-router", argv, dict(os.environ),
                    f"http://127.0.0.1:{port}/health", run_dir / "sglang-router.log")
 
@@ -438,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=output_file_arg, required=True, help="output file")
-    p.add_argument("--markdown", type=Path, help="also write the tables here")
+    p.add_argument("--markdown", type=output_file_arg, help="also write the tables here")
     p.add_argument("--configs", default="1,2,3,4,5", help="comma-separated keys (1-5)")
     p.add_argument("--model", type=Path, help="policy folder (default: the built-in policy)")
     p.add_argument("--repeats", type=int, default=3)
@@ -449,14 +464,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="trajectories in flight per replica at low load")
     p.add_argument("--loads", default="low,high", help="comma-separated: low, high")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port-base", type=int, default=18100)
+    p.add_argument("--port-base", type=int, default=18100,
+                   help="replicas listen from port-base + 1 on; sglang-router (configurations "
+                        f"1, 2) on port-base and port-base + {SGLANG_METRICS_OFFSET}")
     p.add_argument("--suffix-config", default=BenchSettings.suffix_config,
                    help="vLLM --speculative-config of configurations 2, 3 and 5")
     p.add_argument("--war-policy", default="{}",
                    help="JSON settings of the war policy (configurations 4 and 5), e.g. "
                         "'{\"group_rel\": 1.1}'")
     p.add_argument("--no-pin", action="store_true", help="do not pin replicas to cores")
-    p.add_argument("--log-dir", type=Path, default=Path("runs/e2e/logs"))
+    p.add_argument("--log-dir", type=Path, default=Path("runs/e2e/logs"),
+                   help="the servers' logs, a folder per run")
     args = p.parse_args(argv)
     try:
         keys = [int(k) for k in args.configs.split(",") if k.strip()]
@@ -484,9 +502,26 @@ def main(argv: list[str] | None = None) -> int:
         make_policy("war", **json.loads(args.war_policy))
     except (json.JSONDecodeError, TypeError, ValueError) as exc:
         p.error(f"--war-policy: {exc}")
-    model = args.model or builtin_policy()
-    run = RunConfig(name="e2e", model=str(model), replicas=2, tasks_per_step=args.tasks,
-                    group_size=8, steps=args.steps, seed=args.seed, agent=AgentConfig())
+    # the rest is checked before the first server starts, not when it fails (or, for a
+    # bad --markdown, after the whole run)
+    if args.model is not None and not args.model.is_dir():
+        p.error(f"--model {args.model} is not a folder" if args.model.exists()
+                else f"--model folder not found: {args.model}")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        p.error(f"--model {args.model} has no config.json (not a Hugging Face model folder)")
+    ports = used_ports(args.port_base, REPLICAS, keys)
+    if args.port_base < 1 or ports[-1] > 65535:
+        p.error(f"--port-base {args.port_base}: configurations {keys} listen on ports "
+                f"{ports[0]}-{ports[-1]}; --port-base must be >= 1 and the last port "
+                "at most 65535")
+    try:
+        check_output_dir(args.log_dir, "--log-dir")
+        model = args.model or builtin_policy()
+        run = RunConfig(name="e2e", model=str(model), replicas=REPLICAS,
+                        tasks_per_step=args.tasks, group_size=8, steps=args.steps,
+                        seed=args.seed, agent=AgentConfig())
+    except ValueError as exc:
+        p.error(str(exc))
     settings = BenchSettings(run=run, model=Path(model), low_tasks=args.low_tasks,
                              low_in_flight_per_replica=args.low_in_flight,
                              repeats=args.repeats, port_base=args.port_base,
@@ -496,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                     loads_run=loads_run)
     write_json(args.json, out, indent=2)
     if args.markdown is not None:
-        args.markdown.write_text(markdown(out))
+        write_text_atomic(args.markdown, markdown(out))
     print(f"e2e: low load war/#2 {_ratio(out, 'low', 4):.2f}x, high load war/#2 "
           f"{_ratio(out, 'high', 4):.2f}x, war-router+vLLM/#2 {_ratio(out, 'high', 5):.2f}x "
           f"-> {args.json}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -79,7 +80,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torch CPU threads (default 1: on a machine shared with other jobs,\n"
                         "two threads on two cores stall each other, measured 5-12x slower)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # checked before any work: the trace model may take minutes to train first
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    try:
+        bench_config(args)
+    except ValueError as e:  # the config names its fields: name the options instead
+        p.error(re.sub(r"\b(" + "|".join(FLAGS) + r")\b", lambda m: FLAGS[m.group(1)],
+                       str(e)))
+    return args
+
+
+# The config's fields that options set, as the options are spelled.
+FLAGS = {"repeats": "--repeats", "max_tokens": "--max-tokens", "rl_steps": "--rl-steps",
+         "concurrencies": "--concurrencies", "min_prob": "--min-prob"}
 
 
 def bench_config(args: argparse.Namespace) -> LoadBenchConfig:
@@ -115,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    config = bench_config(args)  # before the model, which may be trained first
     folder = args.model
     if folder is None:  # the full model; --quick trains a quick one if that is not cached
         folder, recipe = CACHE / "trace-model", TraceModelConfig()
@@ -125,7 +141,6 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(folder / "tokenizer.json")
     stop_id = tokenizer.token_to_id(IM_END)
     assert stop_id is not None
-    config = bench_config(args)
     room = model.config.max_position_embeddings - config.max_tokens
     if config.max_prompt_tokens > room:  # the prompt's tail must fit the model's context
         config = dataclasses.replace(config, max_prompt_tokens=max(room, 1))

@@ -24,12 +24,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, help="repetitions (default 3, quick 1)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    model = args.model or builtin_policy()
-    run = RunConfig(name="bench", model=str(model), replicas=2,
-                    tasks_per_step=8 if args.quick else 16, group_size=8,
-                    steps=1 if args.quick else 2, seed=args.seed)
-    cfg = BenchConfig(run=run, low_tasks=1 if args.quick else 2,
-                      repeats=args.repeats or (1 if args.quick else 3))
+    # checked before the replicas start (BenchConfig checks nothing): 0 repeats would
+    # measure nothing and report ratios of 0
+    if args.repeats is not None and args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.model is not None and not args.model.is_dir():
+        p.error(f"--model {args.model} is not a folder" if args.model.exists()
+                else f"--model folder not found: {args.model}")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        p.error(f"--model {args.model} has no config.json (not a Hugging Face model folder)")
+    try:
+        model = args.model or builtin_policy()
+        run = RunConfig(name="bench", model=str(model), replicas=2,
+                        tasks_per_step=8 if args.quick else 16, group_size=8,
+                        steps=1 if args.quick else 2, seed=args.seed)
+    except ValueError as e:
+        p.error(str(e))
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    cfg = BenchConfig(run=run, low_tasks=1 if args.quick else 2, repeats=repeats)
     out = run_bench(cfg, model, log=lambda s: print(s, file=sys.stderr))
     write_json(args.json, out, indent=2)
     r = out["ratios"]
@@ -41,4 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (ValueError, OSError) as e:  # a caller's mistake found later: one line
+        sys.exit(f"bench_step: error: {e}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import time
 from typing import Any
@@ -65,7 +66,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-rps", action="store_true", help="skip the throughput measurement")
     p.add_argument("--no-policies", action="store_true", help="skip the policies measurement")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:  # the configs check every value: refuse a bad one now, not as a traceback
+        configs(args)
+    except ValueError as e:
+        p.error(flag_names(str(e)))
+    return args
+
+
+# The configs' fields that options set, as the options are spelled.
+FLAGS = {"num_requests": "--requests", "concurrencies": "--concurrency",
+         "affinities": "--affinities", "slices": "--slices", "repeats": "--repeats",
+         "group_turns": "--group-turns", "group_size": "--group-size",
+         "rl_steps": "--rl-steps", "policies": "--policies", "apis": "--apis"}
+
+
+def flag_names(message: str) -> str:
+    """A config's error message with its field names spelled as the options."""
+    return re.sub(r"\b(" + "|".join(FLAGS) + r")\b", lambda m: FLAGS[m.group(1)], message)
 
 
 def configs(args: argparse.Namespace) -> tuple[RpsBenchConfig, PolicyBenchConfig]:

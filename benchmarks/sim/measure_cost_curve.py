@@ -60,7 +60,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "shapes from a fast pass and others from a normal one)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # checked before the model is built: torch refuses 0 threads with a traceback, and
+    # 0 passes would write an empty curve and exit 0
+    for flag in ("threads", "passes", "repeats"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if any(b < 1 for b in args.batches):
+        p.error(f"--batches must be >= 1, got {args.batches}")
+    for flag in ("drafts", "contexts"):
+        if any(v < 0 for v in getattr(args, flag)):
+            p.error(f"--{flag} must be >= 0, got {getattr(args, flag)}")
+    if not 0 <= args.seed < 2**63:
+        p.error(f"--seed must be in [0, 2**63), got {args.seed}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

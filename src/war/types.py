@@ -6,7 +6,10 @@ any of them is produced or consumed; it imports nothing from ``war``.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +58,15 @@ class SamplingParams:
       included in the output, as the end-of-turn token must be for training).
     * ``stop``: strings; generation ends when the decoded output contains one
       (the engine needs a detokenizer for these; the output is kept up to and
-      including the token that completed the string).
+      including the token that completed the string). A plain string is refused
+      (it would be its characters): pass ``("...",)``.
     * ``seed``: a per-request random stream (``None``: the engine's own stream).
     * ``logprobs``: return the log-probability of every sampled token under the
-      model's unprocessed distribution (``log_softmax`` of the logits).
+      model's unprocessed distribution (``log_softmax`` of the logits); a bool, or
+      an int >= 0 as the OpenAI API's (any count but 0 asks for them).
+
+    ``stop_token_ids`` and ``stop`` may be given as any iterable (a list); they are
+    kept as tuples, so that the parameters stay hashable and immutable.
     """
 
     temperature: float = 1.0
@@ -71,28 +79,55 @@ class SamplingParams:
     logprobs: bool = True
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_real(self.temperature) or not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
                 or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        # object.__setattr__: the dataclass is frozen; a list given is stored as a tuple
+        object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids",
+                                                             self.stop_token_ids, "ints"))
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be ints >= 0, got {t!r}")
+        if isinstance(self.stop, str):
+            # iterating it would stop on any of its characters
+            raise ValueError(f"stop must be a list or tuple of strings, got the string "
+                             f"{self.stop!r} (for one stop string pass ({self.stop!r},))")
+        object.__setattr__(self, "stop", _as_tuple("stop", self.stop, "strings"))
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        lp = self.logprobs
+        if not isinstance(lp, int) or (not isinstance(lp, bool) and lp < 0):
+            raise ValueError(f"logprobs must be a bool or an int >= 0, got {lp!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_real(value: object) -> bool:
+    """A real number (numpy's scalars too), not a bool (whose ``True`` would pass as 1)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _as_tuple(name: str, value: Any, items: str) -> tuple[Any, ...]:
+    if isinstance(value, tuple):
+        return value
+    if isinstance(value, (str, bytes, dict)):
+        raise ValueError(f"{name} must be a list or tuple of {items}, got {value!r}")
+    try:
+        return tuple(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a list or tuple of {items}, got {value!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +159,14 @@ class GenRequest:
             raise ValueError(f"request {self.request_id}: continues needs a trajectory_id")
         if len(self.prompt_ids) == 0:
             raise ValueError(f"request {self.request_id}: prompt_ids is empty")
-        if self.priority != self.priority:
-            raise ValueError(f"request {self.request_id}: priority is NaN")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"request {self.request_id}: sampling must be a SamplingParams, "
+                             f"got {self.sampling!r}")
+        # checked here: the engine orders its queue by -priority once the request is
+        # registered, too late to refuse it cleanly
+        if not _is_real(self.priority) or not math.isfinite(self.priority):
+            raise ValueError(f"request {self.request_id}: priority must be a finite number, "
+                             f"got {self.priority!r}")
 
 
 class UnknownTrajectory(ValueError):

@@ -82,6 +82,50 @@ def test_bad_arguments_are_refused(bench: ModuleType, tmp_path: Path, argv: list
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--markdown", "{tmp}"], "argument --markdown: output file {tmp} is a folder"),
+    (["--model", "{tmp}/missing"], "--model folder not found: {tmp}/missing"),
+    (["--model", "{tmp}/file"], "--model {tmp}/file is not a folder"),
+    (["--model", "{tmp}"], "--model {tmp} has no config.json"),
+    (["--port-base", "0"], "--port-base 0: configurations [4] listen on ports 1-2"),
+    (["--port-base", "65534"], "--port-base 65534: configurations [4] listen on ports "
+                               "65535-65536"),
+    (["--log-dir", "{tmp}/file"], "--log-dir {tmp}/file exists and is not a folder"),
+])
+def test_paths_and_ports_are_checked_before_any_server_starts(
+        bench: ModuleType, tmp_path: Path, argv: list[str], message: str,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def no_work(*_: object, **__: object) -> None:
+        raise AssertionError("the benchmark ran before the arguments were checked")
+
+    monkeypatch.setattr(bench, "run_bench", no_work)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--json", str(tmp_path / "o.json"), "--configs", "4",
+                    "--log-dir", str(tmp_path / "logs"),
+                    *(a.format(tmp=tmp_path) for a in argv)])
+    assert e.value.code == 2
+    assert f" error: {message.format(tmp=tmp_path)}" in capsys.readouterr().err
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_the_ports_of_sglang_router_count_too(bench: ModuleType) -> None:
+    assert bench.used_ports(100, 2, [4]) == [101, 102]
+    assert bench.used_ports(100, 2, [2, 4]) == [100, 101, 102, 100 + bench.SGLANG_METRICS_OFFSET]
+
+
+def test_the_markdown_is_written_whole_after_the_run(
+        bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = bench.BenchSettings(run=bench.RunConfig(), model=Path("m"), repeats=1)
+    out = bench.report([], settings, [4])
+    monkeypatch.setattr(bench, "run_bench", lambda *_, **__: out)
+    md = tmp_path / "tables" / "e2e.md"
+    assert bench.main(["--json", str(tmp_path / "o.json"), "--configs", "4", "--markdown",
+                       str(md), "--log-dir", str(tmp_path / "logs")]) == 0
+    assert md.read_text() == bench.markdown(out)
+    assert [p.name for p in md.parent.iterdir()] == ["e2e.md"]  # no temporary file left
+
+
 def test_peer_fix_spreads_values_like_the_triton_kernel() -> None:
     fix = load_benchmark("e2e/peer_fix", "vllm_cpu_expand_fix")
     out = torch.full((6,), -5.0)

@@ -129,3 +129,26 @@ def test_summary_finds_the_crossover() -> None:
     assert first["auto/off"] == pytest.approx(2.0) and first["always/off"] == pytest.approx(2.0)
     assert report["targets"]["auto/off@1 >= 1.4"] == {"ratio": pytest.approx(2.0), "met": True}
     assert report["targets"]["auto/always@16 >= 1.1"]["met"] is True
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--threads", "-1"], "--threads must be >= 1, got -1"),
+    (["--repeats", "0"], "--repeats must be an int >= 1, got 0"),
+    (["--max-tokens", "0"], "--max-tokens must be an int >= 1, got 0"),
+    (["--concurrencies", "0"], "--concurrencies must be non-empty ints >= 1"),
+])
+def test_bad_values_are_refused_before_the_trace_model_is_trained(
+        argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_script()
+
+    def no_work(*_: object, **__: object) -> None:
+        raise AssertionError("the trace model was made before the arguments were checked")
+
+    monkeypatch.setattr(bench, "ensure_trace_model", no_work)
+    monkeypatch.setattr(bench, "load_model", no_work)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--quick", *argv])
+    assert e.value.code == 2
+    assert f" error: {message}" in capsys.readouterr().err.splitlines()[-1]

@@ -224,3 +224,32 @@ def test_script_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert all(set(r) >= POLICY_KEYS for r in report["policies"])
     assert set(report["targets"]) >= {"war_hit_rate_ge_cache_aware",
                                       "war_makespan_lt_cache_aware"}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--repeats", "0"], "--repeats must be an int >= 1, got 0"),
+    (["--requests", "0"], "--requests must be an int >= 1, got 0"),
+    (["--concurrency", "0"], "--concurrency must be distinct ints >= 1"),
+    (["--affinities", "2"], "--affinities must be in [0, 1]"),
+    (["--affinities", "nan"], "--affinities must be in [0, 1]"),
+    (["--slices", "0"], "--slices must be an int >= 1, got 0"),
+    (["--requests", "10", "--slices", "20"], "--slices (20) must be at most --requests (10)"),
+    (["--group-size", "0"], "--group-size must be an int >= 1, got 0"),
+    (["--group-turns", "0"], "--group-turns must be >= 1"),
+    (["--rl-steps", "0"], "--rl-steps must be an int >= 1, got 0"),
+])
+def test_bad_values_are_usage_errors_before_any_work(
+        argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_script()
+
+    def no_work(*_: object, **__: object) -> None:
+        raise AssertionError("a measurement started before the arguments were checked")
+
+    monkeypatch.setattr(bench, "run_router_rps", no_work)
+    monkeypatch.setattr(bench, "run_policies", no_work)
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f" error: {message}" in err.splitlines()[-1]  # one usage line, no traceback

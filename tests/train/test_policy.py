@@ -183,6 +183,118 @@ def test_config_is_validated() -> None:
         PolicyTrainConfig(vocab_size=100)
 
 
+@pytest.mark.parametrize("seed", [-1, 2**63])
+def test_seeds_out_of_range_are_refused_by_the_config(seed: int) -> None:
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63\)"):
+        PolicyTrainConfig(seed=seed)
+
+
+def _no_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes any start of the work fail the test: the checks must come first."""
+    import war.train.policy as policy
+
+    def fail(*_: object, **__: object) -> None:
+        raise AssertionError("the work started before the arguments were checked")
+
+    monkeypatch.setattr(policy, "build_demonstrations", fail)
+    monkeypatch.setattr(policy, "evaluate_policy", fail)
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    (["--seed", "-1"], "--seed"),
+    (["--seed", str(2**63)], "--seed"),
+    (["--eval-seed", "-5"], "--eval-seed"),
+    (["--eval-seed", str(2**63)], "--eval-seed"),
+    (["--seed", str(2**63 - 1)], "--eval-seed"),  # the default, seed + 1000, overflows
+])
+def test_the_command_checks_its_seeds_before_training(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        extra: list[str], named: str) -> None:
+    _no_training(monkeypatch)
+    report = tmp_path / "report.json"
+    status = main(["train-policy", "--out", str(tmp_path / "policy"), "--json", str(report),
+                   *extra])
+    err = capsys.readouterr().err
+    assert status == 1 and err.startswith("war: error: ") and named in err
+    assert err.count("\n") == 1 and not report.exists()
+
+
+def test_a_large_seed_without_evaluation_needs_no_eval_seed(tmp_path: Path) -> None:
+    seed = 2**63 - 1
+    status = main(["train-policy", "--out", str(tmp_path / "policy"), "--seed", str(seed),
+                   "--steps", "1", "--tasks-per-env", "40", "--eval-tasks", "0"])
+    assert status == 0 and (tmp_path / "policy" / "model.safetensors").is_file()
+
+
+def test_training_again_into_a_policy_folder_replaces_the_policy(tmp_path: Path) -> None:
+    out = tmp_path / "policy"
+    train_policy(TINY, out)
+    (out / "notes.txt").write_text("mine\n")
+    bigger = dataclasses.replace(TINY, hidden_size=48, intermediate_size=96, seed=4)
+    summary = train_policy(bigger, out)
+    # exactly the new policy's model files (no index or shard of anything else), and the
+    # user's other file kept; no temporary folder left beside it
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", "model.safetensors", "notes.txt", "tokenizer.json",
+         "tokenizer_config.json"])
+    assert (out / "notes.txt").read_text() == "mine\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["policy"]
+    model = load_model(out)
+    assert model.config.hidden_size == 48
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert model.config.vocab_size == tok.get_vocab_size() == summary.vocab_size
+    assert summary.folder_bytes == sum(
+        (out / n).stat().st_size for n in ("config.json", "model.safetensors",
+                                           "tokenizer.json", "tokenizer_config.json"))
+
+
+def test_training_into_the_working_folder_keeps_it_usable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "policy"
+    train_policy(TINY, out)
+    (out / "runs").mkdir()
+    monkeypatch.chdir(out / "runs")
+    train_policy(TINY, "..")
+    assert Path.cwd() == (out / "runs").resolve() and Path("../model.safetensors").is_file()
+    load_model(out)
+
+
+@pytest.mark.parametrize("stray", ["model.safetensors.index.json",
+                                   "model-00001-of-00002.safetensors", "chat_template.jinja"])
+def test_a_folder_holding_another_models_files_is_refused_before_training(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        stray: str) -> None:
+    _no_training(monkeypatch)
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text("{}\n")
+    (out / stray).write_text("{}\n")
+    with pytest.raises(ValueError, match=rf"out_dir {out} holds another model's files \({stray}"):
+        train_policy(TINY, out)
+    assert main(["train-policy", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"war: error: --out {out} holds another model's files")
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", stray])
+
+
+def test_a_failed_write_leaves_the_earlier_policy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import war.train.policy as policy
+
+    out = tmp_path / "policy"
+    train_policy(TINY, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def broken(*_: object, **__: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(policy, "save_policy_tokenizer", broken)
+    with pytest.raises(OSError, match="No space"):
+        train_policy(dataclasses.replace(TINY, seed=5), out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["policy"]
+
+
 # ------------------------------------------------------------------ the shipped policy
 
 

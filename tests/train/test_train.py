@@ -114,6 +114,14 @@ def test_bad_input_is_rejected() -> None:
         train_lm(tiny_model(), np.zeros((4, 40), dtype=np.int64), TrainConfig(seq_len=16))
 
 
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**64])
+def test_seeds_numpy_and_torch_cannot_take_are_refused(seed: int) -> None:
+    # refused by the config, not by numpy when the first batch is drawn
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63\)"):
+        TrainConfig(seed=seed)
+    assert TrainConfig(seed=2**63 - 1).seed == 2**63 - 1
+
+
 def test_lr_schedule_warms_up_then_decays() -> None:
     cfg = TrainConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
     assert cfg.lr_at(0.0, 0) == pytest.approx(0.25)

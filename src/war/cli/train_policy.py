@@ -19,6 +19,7 @@ from war.cli.console import make_console
 from war.outputs import check_output_dir, check_output_file, write_json
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+SEED_LIMIT = 2**63  # seeds of the training config and of the evaluation's engine
 
 
 def add_train_policy_command(commands: Subparsers) -> None:
@@ -31,8 +32,13 @@ def add_train_policy_command(commands: Subparsers) -> None:
         "temperature 0.7 on held-out tasks.",
     )
     p.add_argument("--out", required=True, type=Path, metavar="DIR",
-                   help="folder of the trained policy (created)")
-    p.add_argument("--seed", type=int, default=0, help="seed of tasks, weights and batches")
+                   help="folder of the trained policy (created). An earlier policy there is "
+                   "replaced as a whole once training ends (the new one is written beside "
+                   "it first, so the folder never mixes the two; its other files are kept); "
+                   "a folder holding another model's files (*.safetensors shards, an index, "
+                   "chat_template.jinja...) is refused")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of tasks, weights and batches, in [0, 2**63)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps")
     p.add_argument("--tasks-per-env", type=int, default=None,
                    help="demonstrations per environment")
@@ -41,26 +47,41 @@ def add_train_policy_command(commands: Subparsers) -> None:
     p.add_argument("--eval-tasks", type=int, default=100, metavar="N",
                    help="held-out tasks per environment to evaluate on (0: skip)")
     p.add_argument("--eval-seed", type=int, default=None,
-                   help="seed of the held-out tasks (default: seed + 1000)")
+                   help="seed of the held-out tasks, in [0, 2**63) (default: seed + 1000)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE",
                    help="also write the training summary and evaluation as JSON")
     p.set_defaults(run=run_train_policy)
 
 
 def run_train_policy(args: argparse.Namespace) -> int:
-    from war.train.policy import PolicyTrainConfig, evaluate_policy, train_policy
+    from war.train.policy import (
+        PolicyTrainConfig,
+        check_policy_out,
+        evaluate_policy,
+        train_policy,
+    )
 
     console = make_console()
+    # every value is checked here, before the demonstrations are built: the evaluation
+    # seed is used only after the whole training run, and the report after that
+    if not 0 <= args.seed < SEED_LIMIT:
+        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
     changes = {k: getattr(args, k) for k in ("steps", "tasks_per_env", "threads")
                if getattr(args, k) is not None}
     config = dataclasses.replace(PolicyTrainConfig(seed=args.seed), **changes)
     if args.eval_tasks < 0:
         raise ValueError(f"--eval-tasks must be >= 0, got {args.eval_tasks}")
+    if args.eval_seed is not None and not 0 <= args.eval_seed < SEED_LIMIT:
+        raise ValueError(f"--eval-seed must be in [0, 2**63), got {args.eval_seed}")
     eval_seed = args.eval_seed if args.eval_seed is not None else args.seed + 1000
+    if args.eval_tasks > 0 and eval_seed >= SEED_LIMIT:
+        raise ValueError(f"--seed {args.seed} leaves no default --eval-seed (seed + 1000 must "
+                         "be below 2**63): give --eval-seed")
     if eval_seed == args.seed:
         raise ValueError("--eval-seed must differ from --seed (held-out tasks)")
     if args.json is not None:
         check_output_file(args.json, "--json")
+    check_policy_out(args.out, "--out")
     check_output_dir(args.out, "--out")
     console.print(f"[bold]war train-policy[/] -> {args.out} (seed {config.seed}, "
                   f"{config.steps} steps, {config.tasks_per_env} tasks per env)")

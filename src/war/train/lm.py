@@ -47,7 +47,7 @@ class TrainConfig:
       more dimensions (not to norms or biases); ``betas``, ``eps``: AdamW's.
     * ``grad_clip``: global gradient-norm clip (``None``: off).
     * ``seed``: of the window positions and of torch's global RNG during training
-      (forked: the caller's RNG state is restored afterwards).
+      (forked: the caller's RNG state is restored afterwards); in [0, 2**63).
     * ``threads``: torch CPU threads during training (``None``: unchanged).
     * ``autocast``: run the forward pass under ``torch.autocast`` in this dtype
       (``"bfloat16"``; ``None``: the model's dtype). Weights and optimizer state stay
@@ -86,8 +86,11 @@ class TrainConfig:
         if self.autocast not in (None, "bfloat16", "float16"):
             raise ValueError(
                 f"autocast must be None, 'bfloat16' or 'float16', got {self.autocast!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        # numpy's generators take only non-negative seeds, torch's at most 64 bits:
+        # refused here rather than when the first batch is drawn
+        if (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         if self.time_budget_s is not None and not (0.0 < self.time_budget_s < math.inf):
             raise ValueError(f"time_budget_s must be > 0 and finite, got {self.time_budget_s!r}")
         if not (0.0 < self.lr < math.inf):

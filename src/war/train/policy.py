@@ -9,7 +9,9 @@ the policy's BPE tokenizer (byte-level, fitted to the demonstrations, merges acr
 words but never across lines, digits, ``.``, ``?`` or ``'``, so that boilerplate
 becomes few tokens and numbers are copied digit by digit); the model (a small Llama
 with tied embeddings); training it with ``war.train.lm.train_lm`` on windows that
-start at episode starts; saving the Hugging Face folder; and evaluating the saved
+start at episode starts; saving the Hugging Face folder (written beside its place and
+moved there, so that an earlier policy is replaced whole; a folder holding another
+model's files is refused before any work); and evaluating the saved
 policy's success rate per environment with the rollout driver and an in-process engine.
 
 Does not know the environments' tools or experts (``war.rollout.envs``), the agent
@@ -26,6 +28,8 @@ import json
 import math
 import os
 import random
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +41,7 @@ import numpy.typing as npt
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from war.engine.loader import init_random, save_model
+from war.engine.loader import WEIGHTS_FILE, init_random, save_model
 from war.engine.model_config import ModelConfig
 from war.rollout.chat import IM_END, HermesTemplate, encode_segment
 from war.rollout.envs import (
@@ -64,7 +68,7 @@ class PolicyTrainConfig:
     """How the built-in policy is made; validated on construction.
 
     * ``seed``: of the training tasks, the episode order, the initial weights and the
-      training windows.
+      training windows; in [0, 2**63).
     * ``envs``: registered environments with scripted experts; ``tasks_per_env``
       demonstrations of each.
     * ``vocab_size``: most tokens of the BPE tokenizer (fewer when fewer merges reach
@@ -102,8 +106,11 @@ class PolicyTrainConfig:
     log_every: int = 50
 
     def __post_init__(self) -> None:
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        # the seed also seeds numpy (non-negative) and the engine (int64): checked here,
+        # not after the demonstrations and the tokenizer are built
+        if (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         if (not isinstance(self.envs, tuple) or not self.envs
                 or not all(isinstance(e, str) and e for e in self.envs)
                 or len(set(self.envs)) != len(self.envs)):
@@ -340,6 +347,108 @@ def build_stream(tokenizer: Tokenizer, episodes: Sequence[Episode]) -> TokenStre
 # ------------------------------------------------------------------ training
 
 
+# What ``train_policy`` writes into its folder; a folder holding only these (and files
+# that are no model's) is an earlier policy, replaced as a whole.
+POLICY_FILES = ("config.json", WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json")
+# Files that make a folder another model's: the engine loads every ``*.safetensors``
+# (an index first) and the chat template prefers ``chat_template.jinja``, so one left
+# beside a new policy would mix with it; the others are what a Hugging Face download
+# holds. ``train_policy`` refuses such a folder rather than delete someone's model.
+_MODEL_FILE_PATTERNS = (
+    "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
+    "*.gguf", "chat_template.jinja", "tokenizer.model", "special_tokens_map.json",
+    "generation_config.json", "vocab.json", "merges.txt", "added_tokens.json",
+)
+
+
+def _foreign_model_files(folder: Path) -> list[str]:
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir()
+                  if p.name not in POLICY_FILES and not p.is_dir()
+                  and any(p.match(pattern) for pattern in _MODEL_FILE_PATTERNS))
+
+
+def check_policy_out(out_dir: str | os.PathLike[str], what: str = "out_dir") -> Path:
+    """Checks, before any training, that a policy can be written to ``out_dir``: it is
+    missing, empty, or holds an earlier policy (``POLICY_FILES``, replaced) and files
+    that are no model's (kept), but no other model's files (``*.safetensors`` shards,
+    an index, a ``chat_template.jinja``...); and its parent folder takes the temporary
+    folder the new policy is written to first. Raises ValueError naming ``what``."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{what} {out} exists and is not a folder")
+    foreign = _foreign_model_files(out)
+    if foreign:
+        raise ValueError(f"{what} {out} holds another model's files ({', '.join(foreign)}), "
+                         "which would mix with the new policy: choose another folder or "
+                         "remove them")
+    parent = Path(os.path.realpath(out)).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as e:
+        raise ValueError(f"{what} {out}: cannot write in {parent}, where the new policy is "
+                         f"written before it is moved into place: {e.strerror or e}") from None
+    return out
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _write_policy(out: Path, write: Callable[[Path], None]) -> None:
+    """Runs ``write`` on a temporary folder beside ``out``, then puts that folder in
+    the place of ``out``, carrying over the files of ``out`` that are not
+    ``POLICY_FILES``: ``out`` then holds exactly the new policy's model files, never a
+    mix with an earlier one (a reader sees the old folder or the new one), and a
+    failed write leaves ``out`` as it was."""
+    real = Path(os.path.realpath(out))  # a symlinked --out: replace what it points to
+    real.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent))
+    try:
+        write(tmp)
+        # mkdtemp makes the folder private: give it the replaced folder's mode (or a
+        # plain mkdir's)
+        os.chmod(tmp, real.stat().st_mode & 0o7777 if real.is_dir() else 0o777 & ~_umask())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not real.exists():
+        os.rename(tmp, real)
+        return
+    # checked again: such files may have appeared while the model trained
+    foreign = _foreign_model_files(real)
+    if foreign:
+        raise ValueError(f"{out} now holds another model's files ({', '.join(foreign)}); "
+                         f"the new policy was left in {tmp}")
+    try:
+        cwd: str | None = os.getcwd()
+    except OSError:
+        cwd = None
+    old = Path(f"{tmp}.old")
+    try:
+        os.rename(real, old)
+        try:
+            os.rename(tmp, real)
+        except OSError:
+            os.rename(old, real)
+            raise
+    except OSError as e:  # the trained policy is kept: say where
+        raise OSError(e.errno, f"cannot replace {out} ({e.strerror}); the new policy was "
+                      f"left in {tmp}") from e
+    for entry in old.iterdir():
+        if entry.name not in POLICY_FILES:
+            os.rename(entry, real / entry.name)
+    shutil.rmtree(old)
+    # a process working inside the replaced folder would otherwise be left in the
+    # removed one: return it to the same path, now inside the new folder
+    if cwd is not None and Path(cwd).is_relative_to(real):
+        os.chdir(cwd)
+
+
 @dataclass(frozen=True)
 class PolicySummary:
     """What ``train_policy`` made and how long each part took."""
@@ -388,8 +497,14 @@ def train_policy(config: PolicyTrainConfig, out_dir: str | os.PathLike[str],
     """Builds the demonstrations, fits the tokenizer, trains the model and writes the
     Hugging Face folder ``out_dir`` (``config.json``, ``model.safetensors``,
     ``tokenizer.json``, ``tokenizer_config.json``); returns the summary. ``log`` gets
-    progress lines, ``on_step`` the loss-curve points."""
+    progress lines, ``on_step`` the loss-curve points.
+
+    ``out_dir`` is checked first (``check_policy_out``: a folder holding another
+    model's files is refused). The policy is written to a temporary folder beside it
+    that then takes its place, so an earlier policy there is replaced as a whole (its
+    other files are kept) and never mixed with the new one."""
     say = log if log is not None else (lambda _: None)
+    out = check_policy_out(out_dir)
     t0 = time.perf_counter()
     episodes = build_demonstrations(config)
     if not episodes:
@@ -424,10 +539,13 @@ def train_policy(config: PolicyTrainConfig, out_dir: str | os.PathLike[str],
                       loss_mask=stream.loss_mask,
                       window_starts=stream.window_starts(config.seq_len))
     t3 = time.perf_counter()
-    out = Path(out_dir)
-    save_model(model, out)
-    save_policy_tokenizer(tokenizer, out, tok_config)
-    folder_bytes = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+
+    def write(folder: Path) -> None:
+        save_model(model, folder)
+        save_policy_tokenizer(tokenizer, folder, tok_config)
+
+    _write_policy(out, write)
+    folder_bytes = sum((out / name).stat().st_size for name in POLICY_FILES)
     return PolicySummary(
         out_dir=str(out), config=config, episodes_by_env=by_env,
         stream_tokens=len(stream.tokens), sampled_tokens=int(stream.loss_mask.sum()),
@@ -483,6 +601,8 @@ def evaluate_policy(folder: str | os.PathLike[str], *, envs: Sequence[str] = BUI
     from war.rollout.driver import RolloutConfig, run_step_async
 
     _positive_int("tasks_per_env", tasks_per_env)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
     tasks = [t for env in envs for t in sample_tasks(env, tasks_per_env, seed)]
     io = PolicyIO.from_folder(Path(folder))
     engine_config = EngineConfig(kv_cache_bytes=256 * 1024 * 1024, max_num_seqs=64, seed=seed)

@@ -1,0 +1,37 @@
+"""The cost-curve script's refusals: every bad value is one usage error before the model
+is built, and nothing is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from bench_scripts import load_benchmark
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--passes", "0"], "--passes must be >= 1, got 0"),
+    (["--passes", "-1"], "--passes must be >= 1, got -1"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--batches", "1", "0"], "--batches must be >= 1, got [1, 0]"),
+    (["--drafts", "-1"], "--drafts must be >= 0, got [-1]"),
+    (["--contexts", "128", "-5"], "--contexts must be >= 0, got [128, -5]"),
+    (["--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
+])
+def test_bad_values_are_refused_before_any_work(
+        tmp_path: Path, argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    script = load_benchmark("sim", "measure_cost_curve")
+
+    def no_work(*_: object, **__: object) -> None:
+        raise AssertionError("the model was built before the arguments were checked")
+
+    monkeypatch.setattr(script, "init_random", no_work)
+    out = tmp_path / "curve.json"
+    with pytest.raises(SystemExit) as e:
+        script.main(["--json", str(out), *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].endswith(f" error: {message}")  # one usage line
+    assert not out.exists()
