@@ -47,8 +47,9 @@ def run(wl: Workload, hold_s: float, whole: bool = True, blocks: int = 20
 
 
 def two_trajectories(tool_s: float) -> Workload:
-    # 320 KV tokens. "a" holds 176 tokens after its first turn, 218 at the end; "b"
-    # needs 13 blocks for its 200-token prompt: both never fit at once.
+    # 320 KV tokens (20 blocks). "a" holds 10 blocks after its first turn (175 of its
+    # 176 tokens computed: the last sampled token has no KV), 13 at the end; "b" needs
+    # 13 blocks for its 200-token prompt: both never fit at once.
     a = trajectory("a", 160, [16, 16, 16], tool_s=tool_s, base=0)
     b = trajectory("b", 200, [16], base=1000)
     return workload(a, b)
@@ -57,9 +58,10 @@ def two_trajectories(tool_s: float) -> Workload:
 def test_a_held_context_survives_its_tool_calls_and_a_cold_request_waits() -> None:
     sim, policy = run(two_trajectories(tool_s=1.0), hold_s=10.0)
     st = sim.replicas[0].stats
-    # "a" prefills its first prompt, then only what is new: 5 tokens (176 cached),
-    # then 10 (192 of 202 cached, whole blocks); "b" its whole prompt, once.
-    assert st.prefill_tokens == 160 + 5 + 10 + 200
+    # "a" prefills its first prompt, then only what has no KV: 21 tokens (160 of 181
+    # cached: the whole blocks of the 175 tokens computed), then 10 (192 of 202
+    # cached); "b" its whole prompt, once.
+    assert st.prefill_tokens == 160 + 21 + 10 + 200
     assert (st.holds, st.holds_used, st.holds_broken, st.preemptions) == (4, 2, 0, 0)
     # "b" waited through both tool calls: it starts after "a" has ended.
     assert policy.end("b") > policy.end("a") + 0.2
@@ -77,6 +79,18 @@ def test_without_holds_the_cold_request_evicts_the_context() -> None:
     assert sim.result.steps[0].generated == 3 * 16 + 16
 
 
+def test_the_next_rl_step_starts_when_the_last_one_ends() -> None:
+    """"b" waits for "a"'s hold, so its replica is to look again when the hold would
+    expire (10 s on); the step ends before that, and the next starts at its end, with
+    no hold left (new weights)."""
+    a, b = two_trajectories(tool_s=1.0).steps[0]
+    again = [dataclasses.replace(t, traj_id=t.traj_id + "'", rl_step=1) for t in (a, b)]
+    sim, _ = run(Workload("two", ((a, b), tuple(again))), hold_s=10.0)
+    first, second = sim.result.steps
+    assert second.start == first.end
+    assert second.makespan == pytest.approx(first.makespan)
+
+
 def test_a_hold_expires_when_the_tool_call_outlasts_it() -> None:
     held, p_held = run(two_trajectories(tool_s=5.0), hold_s=10.0)
     expired, p_expired = run(two_trajectories(tool_s=5.0), hold_s=1.0)
@@ -88,8 +102,9 @@ def test_a_hold_expires_when_the_tool_call_outlasts_it() -> None:
 
 
 def test_a_hold_gives_way_before_a_running_sequence_is_preempted() -> None:
-    # "a" (100-token prompt, 7 blocks) is held through a 5 s tool call while "c" grows
-    # to 250 tokens (16 blocks): 23 blocks of 20, so the hold is broken, nobody preempted.
+    # "a" (100-token prompt, 6 blocks held: 111 tokens computed) is held through a 5 s
+    # tool call while "c" grows to 250 tokens (16 blocks): 22 blocks of 20, so the hold
+    # is broken, nobody preempted.
     a = trajectory("a", 100, [12, 12], tool_s=5.0, base=0)
     c = trajectory("c", 50, [200], base=1000)
     sim, _ = run(workload(a, c), hold_s=10.0)
@@ -99,8 +114,8 @@ def test_a_hold_gives_way_before_a_running_sequence_is_preempted() -> None:
 
 
 def replica_with_held(a_priority: float) -> tuple[SimReplica, float]:
-    """A replica of 320 KV tokens that served "a"'s first turn (176 tokens now held);
-    returns it and the time."""
+    """A replica of 320 KV tokens that served "a"'s first turn (10 blocks now held: the
+    whole blocks of the 175 of its 176 tokens computed); returns it and the time."""
     replica = SimReplica("r0", ReplicaConfig(spec_mode="off", num_kv_blocks=20,
                                              block_size=16, kv_hold_s=10.0,
                                              admit_whole_prompt=True),
@@ -114,7 +129,7 @@ def replica_with_held(a_priority: float) -> tuple[SimReplica, float]:
         assert dt is not None
         now += dt
         replica.finish_step(now)
-    assert replica.kv.locked_blocks == 11
+    assert replica.kv.locked_blocks == 10
     return replica, now
 
 
@@ -125,7 +140,7 @@ def seq_of(t: SimTrajectory, priority: float, order: int) -> SimSeq:
 
 
 def test_a_cold_request_waits_for_a_held_context_whatever_its_priority() -> None:
-    cold = trajectory("c", 200, [16], base=1000)  # 13 blocks: 9 are left beside "a"
+    cold = trajectory("c", 200, [16], base=1000)  # 13 blocks: 10 are left beside "a"
     for priority in (1.0, 5.0):
         replica, now = replica_with_held(a_priority=1.0)
         replica.submit(seq_of(cold, priority, 2))
@@ -138,8 +153,9 @@ def test_a_cold_request_waits_for_a_held_context_whatever_its_priority() -> None
 
 
 def test_a_held_turn_that_cannot_fit_waits_for_a_hold_to_end() -> None:
-    # 320 KV tokens: "a" and "u" both held (176 + 112 tokens, 18 blocks); "a"'s next
-    # turn (100 new tokens) needs 7 more blocks with nothing else running: the replica
+    # 320 KV tokens: "a" and "u" both held (the whole blocks of 175 + 111 computed
+    # tokens, 16 blocks); "a"'s next turn (100 new tokens, 276 in all) needs 8 more
+    # blocks with nothing else running: the replica
     # idles until a hold ends ("u"'s turn comes back after its 5 s tool call).
     a = trajectory("a", 160, [16, 16], tool_s=1.0, base=0)
     a = dataclasses.replace(a, turns=(a.turns[0], dataclasses.replace(

@@ -6,6 +6,7 @@ import pytest
 from sim_helpers import ClockGuard, FixedPolicy, trajectory, workload
 
 from war.router.policies import make_policy
+from war.router.policies.base import Decision, ReplicaView
 from war.sim.costs import CostModel, LinearCost
 from war.sim.drafter import LiveDrafter
 from war.sim.replica import ReplicaConfig
@@ -14,7 +15,7 @@ from war.sim.simulator import SimConfig, Simulator, fitting_turns
 from war.sim.workload import SimTrajectory, SimTurn, Workload
 from war.spec.config import SpecConfig
 from war.spec.speculator import SuffixSpeculator
-from war.types import GenRequest, SamplingParams
+from war.types import GenRequest, GenResult, SamplingParams
 
 A, B, C = 0.01, 0.001, 0.0  # intercept, per batch token, per context token
 
@@ -49,6 +50,18 @@ def test_context_cost_and_tool_latency_add_up() -> None:
     m = sim.result.steps[0]
     assert m.makespan == pytest.approx(t1 + 2.5 + t2)
     assert (m.prompt_tokens, m.cached_tokens) == (64 + 79, 64)
+
+
+def test_a_turns_last_sampled_token_has_no_kv() -> None:
+    """A turn ending on a block boundary (10 + 6 = 16 tokens) has computed 15 of them:
+    its last sampled token is never fed back, so no whole block is cached (nor held)
+    and the next turn's 21-token prompt is prefilled whole, as the engine, which
+    publishes computed whole blocks, would."""
+    for hold in (0, 10):
+        sim = run(workload(trajectory("t", 10, [6, 4], tool_s=1.0)), kv_hold_s=hold)
+        m = sim.result.steps[0]
+        assert (m.prompt_tokens, m.cached_tokens) == (10 + 21, 0)
+        assert sim.replicas[0].stats.prefill_tokens == 10 + 21
 
 
 def test_two_replicas_balanced_versus_all_on_one() -> None:
@@ -170,6 +183,70 @@ def test_rl_steps_run_one_after_another() -> None:
     res = Simulator(cfg, LinearCost(A, B, C), wl).run()
     assert res.steps[1].start == pytest.approx(res.steps[0].end + 5.0)
     assert res.steps[1].makespan == pytest.approx(res.steps[0].makespan)
+
+
+class KVWatch:
+    """Round robin that records, at each request, every replica's cached and locked
+    KV blocks (``sim`` set after the simulator is built)."""
+
+    name = "kv_watch"
+
+    def __init__(self) -> None:
+        self.inner = make_policy("round_robin")
+        self.sim: Simulator | None = None
+        self.seen: dict[str, list[tuple[int, int]]] = {}
+
+    def select(self, request: GenRequest, replicas: list[ReplicaView], now: float) -> Decision:
+        assert self.sim is not None
+        self.seen[request.request_id] = [(r.kv.cached_blocks, r.kv.locked_blocks)
+                                         for r in self.sim.replicas]
+        return self.inner.select(request, replicas, now)
+
+    def on_complete(self, request: GenRequest, result: GenResult | None, replica: str,
+                    now: float) -> None:
+        self.inner.on_complete(request, result, replica, now)
+
+    def on_replica_down(self, replica: str, now: float) -> None:
+        self.inner.on_replica_down(replica, now)
+
+
+@pytest.mark.parametrize("mode", ["off", "always"])
+def test_new_weights_between_rl_steps_drop_every_replicas_kv(mode: str) -> None:
+    """The weights change between RL steps, so KV computed in one step is stale in the
+    next: every hold is released and every prefix cache emptied (the engine's
+    ``load_weights`` clears its cache). Step 1 replays step 0's tokens: it starts on
+    empty caches (a hold "a" left on r0 when its last turn moved to r1 is gone too) and
+    finds no prefix that step 0 computed. The draft history is tokens and survives:
+    speculation accepts more in step 1, which has seen step 0's responses."""
+    a = trajectory("a", 40, [30, 30], tool_s=0.5)  # turn 0 on r0, turn 1 on r1
+    b = trajectory("b", 40, [30, 30], tool_s=0.5, rl_step=1)  # the same tokens
+    cfg = SimConfig(num_replicas=2, replica=ReplicaConfig(
+        spec_mode=mode, num_kv_blocks=4096, kv_hold_s=10.0))
+    policy = KVWatch()
+    sim = Simulator(cfg, LinearCost(A, B, C), Workload("two", ((a,), (b,))), policy)
+    policy.sim = sim
+    first, second = sim.run().steps
+    assert policy.seen["a/1"][0] == (4, 4)  # "a"'s context (69 computed tokens) held
+    assert policy.seen["b/0"] == [(0, 0), (0, 0)]
+    assert first.cached_tokens == second.cached_tokens == 0
+    if mode == "off":
+        assert second.makespan == pytest.approx(first.makespan)
+    else:
+        assert second.accepted > first.accepted
+
+
+def test_new_weights_need_an_idle_replica() -> None:
+    """Synchronous RL updates the weights when nothing runs: a replica with a request
+    in flight refuses them."""
+    sim = Simulator(SimConfig(num_replicas=1, replica=ReplicaConfig(
+        spec_mode="off", num_kv_blocks=64)), LinearCost(A, B, C),
+        workload(trajectory("t", 10, [4])))
+    r = sim.replicas[0]
+    t = sim.workload.steps[0][0]
+    r.submit(SimSeq(GenRequest("t/0", t.turns[0].prompt, SamplingParams()), t, 0,
+                    t.turns[0].prompt, 0.0, 1))
+    with pytest.raises(AssertionError, match="in flight"):
+        r.load_weights(0.0)
 
 
 def test_coalesced_steps_change_nothing_for_a_lone_sequence() -> None:

@@ -110,7 +110,11 @@ def record_acceptance(trajectories: Sequence[SimTrajectory], config: SpecConfig,
                       table: AcceptanceTable | None = None) -> AcceptanceTable:
     """Replays the distinct token streams of ``trajectories`` (the first trajectory of
     each ``source``; module docstring) and records every position. A trajectory's
-    round is its RL step; its group is its ``group_id`` less any ``#copy`` suffix."""
+    round is its RL step; its group is its ``group_id`` less any ``#copy`` suffix.
+    Streams already in ``table`` are not recorded again, so ``table`` must hold this
+    workload's recording: a stream's drafts depend on the replay's history (the
+    workload's earlier rounds and the round's other streams), and one recorded with
+    another workload would be replayed as that one saw it."""
     if config.tree:
         raise ValueError("the acceptance table records chain drafts (SpecConfig.tree=False)")
     table = table if table is not None else AcceptanceTable()

@@ -351,7 +351,7 @@ def sim_config(exp: Experiment, config: Mapping[str, Any]) -> SimConfig:
 
 # ------------------------------------------------------------------ running
 
-_STATE: dict[str, Any] = {}  # set before forking workers: experiment, traces, table
+_STATE: dict[str, Any] = {}  # set before forking workers: experiment, traces; tables
 
 
 def _run_one(job: tuple[str, float]) -> dict[str, Any]:
@@ -360,13 +360,24 @@ def _run_one(job: tuple[str, float]) -> dict[str, Any]:
     cost = build_cost(exp.cost, exp.base_dir)
     workload = build_workload(exp, load, _STATE.get("traces"))
     make: Callable[[int], Drafter] | None = None
+    table: AcceptanceTable | None = None
+    record_s = 0.0
     if exp.drafts == "cached":
-        table: AcceptanceTable = _STATE.setdefault("table", AcceptanceTable())
-        t0 = time.perf_counter()
-        record_acceptance([t for s in workload.steps for t in s],
-                          build_section(SpecConfig, "spec", exp.spec), table)
-        _STATE["record_s"] = _STATE.get("record_s", 0.0) + time.perf_counter() - t0
-        make = lambda _i: CachedDrafter(table)  # noqa: E731
+        # One table per workload: a stream's drafts depend on the replay that recorded
+        # it (its history is that workload's earlier rounds and its round's streams),
+        # so a table shared across loads would replay a stream as whichever load ran
+        # first in this process recorded it, and a row would depend on the jobs before
+        # it. Configurations at the same load share the one recording.
+        tables: dict[Any, tuple[AcceptanceTable, float]] = _STATE.setdefault("tables", {})
+        key = workload_key(exp, load, _STATE.get("traces"))
+        if key not in tables:
+            t0 = time.perf_counter()
+            recorded = record_acceptance([t for s in workload.steps for t in s],
+                                         build_section(SpecConfig, "spec", exp.spec))
+            tables[key] = (recorded, time.perf_counter() - t0)
+        cached, record_s = tables[key]
+        table = cached
+        make = lambda _i: CachedDrafter(cached)  # noqa: E731
     t0 = time.perf_counter()
     sim = Simulator(sim_config(exp, exp.configs[name]), cost, workload, make_drafter=make)
     result = sim.run()
@@ -375,8 +386,8 @@ def _run_one(job: tuple[str, float]) -> dict[str, Any]:
                            / sim.config.num_replicas, "requested_load": load}
     row.update(result.summary())
     row["wall_s"] = time.perf_counter() - t0
-    if exp.drafts == "cached":
-        row["acceptance_table"] = {**_STATE["table"].summary(), "record_s": _STATE["record_s"]}
+    if table is not None:  # this row's workload's table only
+        row["acceptance_table"] = {**table.summary(), "record_s": record_s}
     row["rl_steps"] = len(workload.steps)
     if load == _STATE.get("plot_load"):
         row["finish_times"] = [t for m in result.steps for t in m.finish_times]

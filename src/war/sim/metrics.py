@@ -10,25 +10,37 @@ Lower bound of a step's makespan: ``max(work / fleet capacity, the longest
 trajectory's sequential time, KV occupancy / fleet KV)``, for the run's own
 speculation quality:
 
-* capacity of a replica: the best over batch sizes ``b`` (that the KV holds at the
-  step's mean context ``c``) of ``b * tau / step_time(b, b(1+k), b(c+1+k))``, with
-  ``tau`` the run's tokens per sampling pass and ``k`` its verified drafts per pass;
-  prefill at ``max_num_batched_tokens`` per step. Work: the step's generated tokens,
-  and its prompt tokens less what a group's samples share of their first prompt.
+* capacity of a replica: the best over every batch size ``b`` up to ``max_num_seqs``
+  that the KV holds of ``b * tau / step_time(b, ...)``, with ``tau`` the run's tokens
+  per sampling pass and ``k`` its mean verified drafts per pass (a fractional mean is
+  the mix of its two whole neighbours, ``decode_step_time``). A sequence's context is
+  the step's mean less the first tokens it shares with others (a group's first prompt,
+  or a system prompt every task has: ``shared_prefix_lens``), which the batch holds
+  once; where the KV holds part of one more sequence, the mix of the two batch sizes
+  that fills it. Work: the step's generated tokens at that capacity, and its prompt
+  tokens (less what a group's samples share of their first prompt) at the least a
+  prompt token adds to a step, riding along a decoding step or in a chunk of its own
+  (``prefill_token_time``).
 * a trajectory's sequential time: its tool latencies, plus per turn the prefill of
-  its new prompt tokens alone and its sampling passes at batch 1 (with its own
+  its new prompt tokens alone and its sampling passes at batch 1 (with its own mean
   verified drafts per pass).
 * KV occupancy: a sequence keeps its context's KV resident while it runs, so the
   fleet's KV tokens times the makespan hold at least, summed over turns, the turn's
-  context times its time alone (prefill chunk by chunk, each chunk holding the
-  context before it; each sampling pass holding the context and prompt). Tool calls
-  count nothing (a context may leave the KV meanwhile). This term binds when
-  contexts are long for the KV (tens of thousands of tokens per trajectory): a
-  replica then cannot run enough trajectories at once to reach its compute capacity.
+  context (less its shared first tokens) times its time alone (prefill chunk by chunk,
+  each chunk holding the context before it; each sampling pass holding the context and
+  prompt). Tool calls count nothing (a context may leave the KV meanwhile). This term
+  binds when contexts are long for the KV (tens of thousands of tokens per
+  trajectory): a replica then cannot run enough trajectories at once to reach its
+  compute capacity.
+
+The terms use per-turn and per-step means, so the bound is an estimate: a step can
+end up to about 1 % before it (``tests/sim/test_bound.py`` checks that on small
+fleets of every kind).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,50 +102,147 @@ def prefill_time(cost: CostModel, tokens: int, context: int, chunk: int) -> floa
     return t
 
 
+def decode_step_time(cost: CostModel, num_seqs: int, k: float, context: float) -> float:
+    """Seconds of a decoding step of ``num_seqs`` sequences verifying ``k`` draft tokens
+    each on average (``context``: their KV, this step's tokens included). Passes verify
+    whole numbers of drafts, so a fractional mean is the mix of its two neighbours that
+    has that mean: the cost at ``floor(k)`` and ``floor(k) + 1``, linearly interpolated
+    (rounding the mean instead charged, or spared, every pass up to half a draft token:
+    up to 6 % of a lone trajectory's time where drafts cost real step time)."""
+    k0 = math.floor(k)
+    w = k - k0
+
+    def at(kk: int) -> float:
+        extra = num_seqs * (kk - k)  # the KV of this neighbour's drafts, not the mean's
+        return cost.step_time(num_seqs, num_seqs * (1 + kk), max(1, int(context + extra + 0.5)),
+                              num_seqs * kk)
+
+    t = at(k0)
+    return t if w == 0.0 else (1.0 - w) * t + w * at(k0 + 1)
+
+
 def sequential_time(turns: Sequence[TurnRecord], cost: CostModel, chunk: int) -> float:
     """A trajectory's time alone on a replica (module docstring)."""
     total = 0.0
     for i, r in enumerate(turns):
-        k = round(r.drafted / r.passes) if r.passes else 0
+        k = r.drafted / r.passes if r.passes else 0.0
         ctx = r.context + r.prompt + r.response // 2
         total += prefill_time(cost, r.prompt, r.context, chunk)
-        total += max(r.passes - 1, 0) * cost.step_time(1, 1 + k, ctx + 1 + k, k)
+        total += max(r.passes - 1, 0) * decode_step_time(cost, 1, k, ctx + 1 + k)
         if i < len(turns) - 1:
             total += r.tool_s
     return total
 
 
-def kv_token_seconds(turns: Sequence[TurnRecord], cost: CostModel, chunk: int) -> float:
+def kv_token_seconds(turns: Sequence[TurnRecord], cost: CostModel, chunk: int,
+                     shared: int = 0) -> float:
     """KV tokens times seconds that a trajectory's turns hold at least (module
-    docstring): each turn alone, its tool calls excluded."""
+    docstring): each turn alone, its tool calls excluded. ``shared``: the length of the
+    context's first tokens that other trajectories hold too (``shared_prefix_lens``): a
+    replica keeps one copy of them for all, so they are not counted here."""
     total = 0.0
     for r in turns:
-        k = round(r.drafted / r.passes) if r.passes else 0
+        k = r.drafted / r.passes if r.passes else 0.0
         done = 0
         while done < r.prompt:
             n = min(chunk, r.prompt - done)
-            total += (r.context + done) * cost.step_time(1, n, r.context + done + n, 0)
+            held = max(0, r.context + done - shared)
+            total += held * cost.step_time(1, n, r.context + done + n, 0)
             done += n
         ctx = r.context + r.prompt
         mid = ctx + r.response // 2 + 1 + k
-        total += max(r.passes - 1, 0) * ctx * cost.step_time(1, 1 + k, mid, k)
+        total += max(r.passes - 1, 0) * max(0, ctx - shared) * decode_step_time(cost, 1, k, mid)
     return total
 
 
-def replica_capacity(cost: CostModel, tau: float, k: int, context: float, kv_tokens: int,
-                     max_num_seqs: int) -> float:
-    """Generated tokens per second of one replica at its best batch size."""
-    best, b = 0.0, 1
-    while True:
-        b = min(b, max_num_seqs)
-        if b > 1 and b * (context + 1 + k) > kv_tokens:
+def replica_capacity(cost: CostModel, tau: float, k: float, context: float, kv_tokens: int,
+                     max_num_seqs: int, shared: int = 0) -> float:
+    """Generated tokens per second of one replica at its best batch size: every size
+    from 1 to ``max_num_seqs`` whose sequences' KV fits (``context``: a sequence's mean
+    context less the first tokens it shares with others, ``shared``, which the replica
+    holds once for the whole batch)."""
+    return _best_batch(cost, tau, k, context, kv_tokens, max_num_seqs, shared)[0]
+
+
+def _best_batch(cost: CostModel, tau: float, k: float, context: float, kv_tokens: int,
+                max_num_seqs: int, shared: int) -> tuple[float, int, float]:
+    """(rate, batch size, the batch's context) of ``replica_capacity``."""
+    best = (0.0, 1, context + 1 + k + shared)
+    per_seq = context + 1 + k
+    for b in range(1, max_num_seqs + 1):
+        if b > 1 and b * per_seq + shared > kv_tokens:
+            # Where the KV holds b - 1 such sequences and a part of one more, a replica
+            # alternates steps of b - 1 and b of them (contexts differ, the mean is what
+            # is known): the mix whose mean fills the KV, each step's time interpolated.
+            n = b - 1
+            frac = (kv_tokens - shared) / per_seq - n
+            if frac > 0:
+                t0 = decode_step_time(cost, n, k, n * per_seq + shared)
+                t1 = decode_step_time(cost, b, k, b * per_seq + shared)
+                rate = (n + frac) * tau / ((1.0 - frac) * t0 + frac * t1)
+                if rate > best[0]:
+                    best = (rate, n, n * per_seq + shared)
             break
-        ctx = int(b * (context + 1 + k))
-        best = max(best, b * tau / cost.step_time(b, b * (1 + k), ctx, b * k))
-        if b == max_num_seqs:
-            break
-        b *= 2
+        ctx = b * per_seq + shared
+        rate = b * tau / decode_step_time(cost, b, k, ctx)
+        if rate > best[0]:
+            best = (rate, b, ctx)
     return best
+
+
+def prefill_token_time(cost: CostModel, num_seqs: int, k: float, context: float,
+                       chunk: int) -> float:
+    """The least a prompt token adds to a step's time: prompt tokens can ride along a
+    decoding step (chunked prefill), where each adds only its share of the step's growth
+    (``num_seqs`` sequences decoding with ``k`` drafts each over ``context`` tokens of
+    KV), or fill a step of their own (a chunk of ``chunk`` tokens alone). The least
+    mean cost over the sizes tried (1, 2, 4, ... up to ``chunk``), of either."""
+    base = decode_step_time(cost, num_seqs, k, context)
+    best = math.inf
+    x = 1
+    while True:
+        x = min(x, chunk)
+        k0 = math.floor(k)
+        w = k - k0
+
+        def grown(kk: int, extra: int = x) -> float:
+            ctx = max(1, int(context + num_seqs * (kk - k) + extra + 0.5))
+            return cost.step_time(num_seqs, num_seqs * (1 + kk) + extra, ctx, num_seqs * kk)
+
+        riding = grown(k0) if w == 0.0 else (1.0 - w) * grown(k0) + w * grown(k0 + 1)
+        alone = cost.step_time(1, x, x, 0)
+        best = min(best, (riding - base) / x, alone / x)
+        if x == chunk:
+            break
+        x *= 2
+    return max(0.0, best)
+
+
+def shared_prefix_lens(trajs: Sequence[SimTrajectory]) -> list[int]:
+    """Per trajectory of a step: how many of its first prompt's first tokens another
+    trajectory of the step has too (a prefix cache holds them once): its group's common
+    first prompt, or every trajectory's (a system prompt that all tasks share), the
+    longer; 0 for a trajectory that shares nothing."""
+    firsts = [t.turns[0].prompt if t.turns else () for t in trajs]
+    if len(firsts) < 2:
+        return [0] * len(firsts)
+    everyone = min(len(p) for p in firsts)
+    for p in firsts[1:]:
+        everyone = common_prefix_len(firsts[0], p, 0, everyone)
+    by_group: dict[str, list[int]] = {}
+    for i, t in enumerate(trajs):
+        by_group.setdefault(t.group_id, []).append(i)
+    out = [everyone] * len(trajs)
+    for members in by_group.values():
+        if len(members) < 2:
+            continue
+        first = firsts[members[0]]
+        n = min(len(firsts[i]) for i in members)
+        for i in members[1:]:
+            n = common_prefix_len(first, firsts[i], 0, n)
+        for i in members:
+            out[i] = max(out[i], n)
+    return out
 
 
 def min_prefill_tokens(trajs: Sequence[SimTrajectory]) -> int:
@@ -153,14 +262,18 @@ def min_prefill_tokens(trajs: Sequence[SimTrajectory]) -> int:
 
 
 def work_time(m: StepMetrics, prefill_tokens: int, cost: CostModel, kv_tokens: int,
-              max_num_seqs: int, chunk: int, num_replicas: int) -> float:
-    """The step's work over the fleet's capacity (module docstring)."""
+              max_num_seqs: int, chunk: int, num_replicas: int, shared_sum: int = 0,
+              shared_min: int = 0) -> float:
+    """The step's work over the fleet's capacity (module docstring). ``shared_sum``: the
+    shared first tokens (``shared_prefix_lens``) summed over the step's sampling passes,
+    ``shared_min``: the least a trajectory shares (a batch holds at least that once)."""
     if m.passes == 0:
         return 0.0
     tau = m.generated / m.passes
-    k = round(m.drafted / m.passes)
-    cap = replica_capacity(cost, tau, k, m.context_sum / m.passes, kv_tokens, max_num_seqs)
-    per_prefill = cost.step_time(1, chunk, chunk, 0) / chunk
+    k = m.drafted / m.passes
+    own = max(0.0, (m.context_sum - shared_sum) / m.passes)
+    cap, b, ctx = _best_batch(cost, tau, k, own, kv_tokens, max_num_seqs, shared_min)
+    per_prefill = prefill_token_time(cost, b, k, ctx, chunk)
     return (m.generated / cap + prefill_tokens * per_prefill) / num_replicas
 
 

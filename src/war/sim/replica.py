@@ -19,10 +19,12 @@ pinned for its trajectory's next turn, which goes ahead of a head of the queue t
 does not fit; holds give way only to running sequences (before anyone is
 preempted), expire, or end with the trajectory (``finish_trajectory``); when they
 leave no room for anything waiting, ``start_step`` returns None and the replica
-waits for a next turn or for ``hold_expiry``.
+waits for a next turn or for ``hold_expiry``. ``load_weights`` (between RL steps, on
+an idle replica) drops every hold and the whole prefix cache, as a weight update does.
 
 Simplifications (docs/sim.md): a prompt is cached when its prefill completes and a
-context when its turn ends (the engine publishes every full block after each step).
+context when its turn ends, as far as its KV is computed (all but the last sampled
+token; the engine publishes every computed full block after each step).
 ``max_coalesced_steps`` > 1 (cluster scale) runs up to that many consecutive steps
 in one event while the replica only decodes at most ``coalesce_max_seqs`` sequences
 and nobody waits (the long tail of a step), until a turn completes; a request that
@@ -319,6 +321,22 @@ class SimReplica:
         if trajectory_id in self._holds:
             self._release_hold(trajectory_id, now)
 
+    def load_weights(self, now: float) -> None:
+        """New policy weights (an RL step boundary): KV computed with the old ones is
+        stale, so every hold is released and the prefix cache emptied, as the engine's
+        ``load_weights`` does (it preempts what runs and clears its cache). In
+        synchronous RL nothing runs then: the replica must be idle. The drafter keeps
+        its history: tokens, not KV."""
+        assert not (self.busy or self.running or self.waiting), (
+            f"replica {self.name}: new weights while requests are in flight")
+        for tid in list(self._holds):
+            self._release_hold(tid, now)
+        kv = self.kv
+        assert kv.private_blocks == 0 and kv.locked_blocks == 0, "KV in use on an idle replica"
+        # A new cache, not the old one emptied: no earlier match (``PrefixKV.reuse``)
+        # can be taken for one of the new cache.
+        self.kv = PrefixKV(kv.num_blocks, kv.block_size)
+
     # ------------------------------------------------------------------ applying
 
     def finish_step(self, now: float) -> list[SimSeq]:
@@ -328,7 +346,9 @@ class SimReplica:
         self._done = []
         for seq in done:
             self.running.remove(seq)
-            self._release(seq, seq.num_tokens, now, hold=self.config.kv_hold_s > 0)
+            # What was computed: the last sampled token is never fed back, so its KV
+            # does not exist (the engine publishes the computed whole blocks).
+            self._release(seq, seq.computed, now, hold=self.config.kv_hold_s > 0)
             if self.drafter is not None:
                 self.drafter.end(seq)
         self.busy = False

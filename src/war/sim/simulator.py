@@ -8,10 +8,11 @@ length from load reports refreshed every ``load_report_interval_s``), shared dra
 history (a completed response, with its lead-in, goes to the other replicas'
 drafters; the live drafters of one run share one history instead), and the
 synchronous RL loop (every trajectory of a step starts at once; the next step starts
-when the last one ends, plus ``train_s``), and the context limit: a turn whose context
-and response would exceed a replica's KV cannot be served, so the trajectory ends
-before it (``fitting_turns``), as an agent stops when its context is full; a
-trajectory whose first turn does not fit is left out. Both are counted
+when the last one ends, plus ``train_s``, with new weights: every replica's holds and
+prefix cache are dropped, the draft history kept), and the context limit: a turn
+whose context and response would exceed a replica's KV cannot be served, so the
+trajectory ends before it (``fitting_turns``), as an agent stops when its context is
+full; a trajectory whose first turn does not fit is left out. Both are counted
 (``SimResult.truncated`` and ``dropped``), never silently. Does not know the wall
 clock: policies and replicas only ever see ``now``; a run is deterministic given its
 inputs.
@@ -39,6 +40,7 @@ from war.sim.metrics import (
     kv_token_seconds,
     min_prefill_tokens,
     sequential_time,
+    shared_prefix_lens,
     work_time,
 )
 from war.sim.replica import ReplicaConfig, SimReplica
@@ -156,6 +158,7 @@ class Simulator:
         for s, step_trajs in enumerate(self.workload.steps):
             if s:
                 self._settle()
+                self._load_weights()
                 self.now += self.config.train_s
             for r in self.replicas:
                 if r.drafter is not None:
@@ -190,13 +193,21 @@ class Simulator:
 
     def _settle(self) -> None:
         """Runs what is left after a step's last trajectory: only wake-ups of replicas
-        that have nothing to do."""
+        that have nothing to do. The clock stays at the step's end: a wake-up left for
+        a hold's expiry may lie after it, and the next step starts at the end."""
         while self._events:
-            t, _, kind, payload = heapq.heappop(self._events)
+            _, _, kind, payload = heapq.heappop(self._events)
             assert kind == _KICK, "a step ended with work in flight"
-            self.now = t
             self._kick(payload)
             assert not self.replicas[payload].busy
+
+    def _load_weights(self) -> None:
+        """The policy's weights change between RL steps (docs/sim.md): every replica
+        drops its holds and its prefix cache, whose KV the old weights computed, as the
+        engine's ``load_weights`` does; nothing runs then (synchronous RL). The draft
+        history is tokens, not KV, and carries over (SuffixDecoding across RL steps)."""
+        for r in self.replicas:
+            r.load_weights(self.now)
 
     def _push(self, t: float, kind: int, payload: Any) -> None:
         self._seq += 1
@@ -329,12 +340,20 @@ class Simulator:
         rc = self.config.replica
         r0 = self.replicas[0]
         chunk = rc.max_num_batched_tokens
-        prefill = min_prefill_tokens([st.traj for st in states])
+        trajs = [st.traj for st in states]
+        prefill = min_prefill_tokens(trajs)
+        # First tokens a trajectory shares with others (a group's prompt, a system prompt
+        # every task has): a replica's prefix cache holds them once for all.
+        shared = shared_prefix_lens(trajs)
+        shared_sum = sum(p * sum(r.passes for r in st.records)
+                         for p, st in zip(shared, states, strict=True))
         m.work_s = work_time(m, prefill, self.cost, r0.kv.capacity_tokens,
-                             rc.max_num_seqs, chunk, self.config.num_replicas)
+                             rc.max_num_seqs, chunk, self.config.num_replicas,
+                             shared_sum, min(shared, default=0))
         m.longest_s = max((sequential_time(st.records, self.cost, chunk) for st in states),
                           default=0.0)
-        kv = sum(kv_token_seconds(st.records, self.cost, chunk) for st in states)
+        kv = sum(kv_token_seconds(st.records, self.cost, chunk, p)
+                 for p, st in zip(shared, states, strict=True))
         m.kv_s = kv / (r0.kv.capacity_tokens * self.config.num_replicas)
 
 
