@@ -156,37 +156,41 @@ def kv_token_seconds(turns: Sequence[TurnRecord], cost: CostModel, chunk: int,
 
 
 def replica_capacity(cost: CostModel, tau: float, k: float, context: float, kv_tokens: int,
-                     max_num_seqs: int, shared: int = 0) -> float:
+                     max_num_seqs: int, shared: float = 0.0, shared_once: int = 0) -> float:
     """Generated tokens per second of one replica at its best batch size: every size
-    from 1 to ``max_num_seqs`` whose sequences' KV fits (``context``: a sequence's mean
-    context less the first tokens it shares with others, ``shared``, which the replica
-    holds once for the whole batch)."""
-    return _best_batch(cost, tau, k, context, kv_tokens, max_num_seqs, shared)[0]
+    from 1 to ``max_num_seqs`` whose sequences' KV fits. ``context``: a sequence's mean
+    context; ``shared``: how many of those tokens, on average, it shares with others
+    (first prompts), which the replica stores once for the whole batch, taking
+    ``shared_once`` tokens (attention still reads them for each sequence: the step's
+    cost counts the whole context)."""
+    return _best_batch(cost, tau, k, context, kv_tokens, max_num_seqs, shared,
+                       shared_once)[0]
 
 
 def _best_batch(cost: CostModel, tau: float, k: float, context: float, kv_tokens: int,
-                max_num_seqs: int, shared: int) -> tuple[float, int, float]:
-    """(rate, batch size, the batch's context) of ``replica_capacity``."""
-    best = (0.0, 1, context + 1 + k + shared)
-    per_seq = context + 1 + k
+                max_num_seqs: int, shared: float, shared_once: int,
+                ) -> tuple[float, int, float]:
+    """(rate, batch size, the batch's context read) of ``replica_capacity``."""
+    read = context + 1 + k  # a sequence's KV that a step reads
+    own = max(0.0, read - shared)  # and stores beside the shared prefixes
+    best = (0.0, 1, read)
     for b in range(1, max_num_seqs + 1):
-        if b > 1 and b * per_seq + shared > kv_tokens:
+        if b > 1 and b * own + shared_once > kv_tokens:
             # Where the KV holds b - 1 such sequences and a part of one more, a replica
             # alternates steps of b - 1 and b of them (contexts differ, the mean is what
             # is known): the mix whose mean fills the KV, each step's time interpolated.
             n = b - 1
-            frac = (kv_tokens - shared) / per_seq - n
+            frac = (kv_tokens - shared_once) / own - n if own > 0 else 0.0
             if frac > 0:
-                t0 = decode_step_time(cost, n, k, n * per_seq + shared)
-                t1 = decode_step_time(cost, b, k, b * per_seq + shared)
+                t0 = decode_step_time(cost, n, k, n * read)
+                t1 = decode_step_time(cost, b, k, b * read)
                 rate = (n + frac) * tau / ((1.0 - frac) * t0 + frac * t1)
                 if rate > best[0]:
-                    best = (rate, n, n * per_seq + shared)
+                    best = (rate, n, n * read)
             break
-        ctx = b * per_seq + shared
-        rate = b * tau / decode_step_time(cost, b, k, ctx)
+        rate = b * tau / decode_step_time(cost, b, k, b * read)
         if rate > best[0]:
-            best = (rate, b, ctx)
+            best = (rate, b, b * read)
     return best
 
 
@@ -266,13 +270,15 @@ def work_time(m: StepMetrics, prefill_tokens: int, cost: CostModel, kv_tokens: i
               shared_min: int = 0) -> float:
     """The step's work over the fleet's capacity (module docstring). ``shared_sum``: the
     shared first tokens (``shared_prefix_lens``) summed over the step's sampling passes,
-    ``shared_min``: the least a trajectory shares (a batch holds at least that once)."""
+    ``shared_min``: the least a trajectory that shares any shares (a batch of them holds
+    at least that once)."""
     if m.passes == 0:
         return 0.0
     tau = m.generated / m.passes
     k = m.drafted / m.passes
-    own = max(0.0, (m.context_sum - shared_sum) / m.passes)
-    cap, b, ctx = _best_batch(cost, tau, k, own, kv_tokens, max_num_seqs, shared_min)
+    mean = m.context_sum / m.passes
+    cap, b, ctx = _best_batch(cost, tau, k, mean, kv_tokens, max_num_seqs,
+                              shared_sum / m.passes, shared_min)
     per_prefill = prefill_token_time(cost, b, k, ctx, chunk)
     return (m.generated / cap + prefill_tokens * per_prefill) / num_replicas
 

@@ -349,7 +349,7 @@ class Simulator:
                          for p, st in zip(shared, states, strict=True))
         m.work_s = work_time(m, prefill, self.cost, r0.kv.capacity_tokens,
                              rc.max_num_seqs, chunk, self.config.num_replicas,
-                             shared_sum, min(shared, default=0))
+                             shared_sum, min((p for p in shared if p), default=0))
         m.longest_s = max((sequential_time(st.records, self.cost, chunk) for st in states),
                           default=0.0)
         kv = sum(kv_token_seconds(st.records, self.cost, chunk, p)
