@@ -18,9 +18,9 @@ speculation quality:
   or a system prompt every task has: ``shared_prefix_lens``), which the batch holds
   once; where the KV holds part of one more sequence, the mix of the two batch sizes
   that fills it. Work: the step's generated tokens at that capacity, and its prompt
-  tokens (less what a group's samples share of their first prompt) at the least a
-  prompt token adds to a step, riding along a decoding step or in a chunk of its own
-  (``prefill_token_time``).
+  tokens (less what a group's samples share of their first prompt) at the least they
+  add riding along those decoding steps (chunked prefill, spread over them) or in
+  chunks of their own (``prefill_time_bound``).
 * a trajectory's sequential time: its tool latencies, plus per turn the prefill of
   its new prompt tokens alone and its sampling passes at batch 1 (with its own mean
   verified drafts per pass).
@@ -194,32 +194,46 @@ def _best_batch(cost: CostModel, tau: float, k: float, context: float, kv_tokens
     return best
 
 
-def prefill_token_time(cost: CostModel, num_seqs: int, k: float, context: float,
-                       chunk: int) -> float:
-    """The least a prompt token adds to a step's time: prompt tokens can ride along a
-    decoding step (chunked prefill), where each adds only its share of the step's growth
-    (``num_seqs`` sequences decoding with ``k`` drafts each over ``context`` tokens of
-    KV), or fill a step of their own (a chunk of ``chunk`` tokens alone). The least
-    mean cost over the sizes tried (1, 2, 4, ... up to ``chunk``), of either."""
+def prefill_time_bound(cost: CostModel, num_seqs: int, k: float, context: float,
+                       chunk: int, tokens: int, steps: float) -> float:
+    """The least time ``tokens`` prompt tokens add to ``steps`` decoding steps of
+    ``num_seqs`` sequences (``k`` drafts each, ``context`` tokens of KV read): they ride
+    along those steps (chunked prefill), at most the room a step has left under
+    ``chunk`` tokens each, every step adding its growth; what does not fit fills steps
+    of its own. Spread evenly, ``tokens / steps`` a step, is the least for a step time
+    convex in its tokens (a roofline); larger pieces in fewer steps are tried too (a
+    profile whose first tokens cost more), and the cheaper of riding and a step alone
+    is taken for each size."""
+    if tokens <= 0:
+        return 0.0
     base = decode_step_time(cost, num_seqs, k, context)
-    best = math.inf
-    x = 1
-    while True:
-        x = min(x, chunk)
-        k0 = math.floor(k)
-        w = k - k0
+    room = max(0, chunk - int(num_seqs * (1 + k) + 0.5))
+    k0 = math.floor(k)
+    w = k - k0
 
-        def grown(kk: int, extra: int = x) -> float:
-            ctx = max(1, int(context + num_seqs * (kk - k) + extra + 0.5))
-            return cost.step_time(num_seqs, num_seqs * (1 + kk) + extra, ctx, num_seqs * kk)
+    def riding(x: int) -> float:  # seconds x prompt tokens add to one decoding step
+        def grown(kk: int) -> float:
+            ctx = max(1, int(context + num_seqs * (kk - k) + x + 0.5))
+            return cost.step_time(num_seqs, num_seqs * (1 + kk) + x, ctx, num_seqs * kk)
 
-        riding = grown(k0) if w == 0.0 else (1.0 - w) * grown(k0) + w * grown(k0 + 1)
-        alone = cost.step_time(1, x, x, 0)
-        best = min(best, (riding - base) / x, alone / x)
-        if x == chunk:
-            break
-        x *= 2
-    return max(0.0, best)
+        t = grown(k0) if w == 0.0 else (1.0 - w) * grown(k0) + w * grown(k0 + 1)
+        return max(0.0, t - base)
+
+    def per_token(least: int, most: int) -> float:  # cheapest mean over piece sizes
+        best, x = math.inf, max(1, least)
+        while True:
+            x = min(x, most)
+            best = min(best, riding(x) / x, cost.step_time(1, x, x, 0) / x)
+            if x == most:
+                return best
+            x *= 2
+
+    alone = min(cost.step_time(1, x, x, 0) / x for x in {chunk, max(1, chunk // 2)})
+    if room == 0:
+        return tokens * alone
+    along = min(tokens, steps * room)  # what the decoding steps can carry
+    least = math.ceil(along / steps) if steps > 0 else room
+    return along * per_token(min(least, room), room) + (tokens - along) * alone
 
 
 def shared_prefix_lens(trajs: Sequence[SimTrajectory]) -> list[int]:
@@ -279,8 +293,8 @@ def work_time(m: StepMetrics, prefill_tokens: int, cost: CostModel, kv_tokens: i
     mean = m.context_sum / m.passes
     cap, b, ctx = _best_batch(cost, tau, k, mean, kv_tokens, max_num_seqs,
                               shared_sum / m.passes, shared_min)
-    per_prefill = prefill_token_time(cost, b, k, ctx, chunk)
-    return (m.generated / cap + prefill_tokens * per_prefill) / num_replicas
+    prefill = prefill_time_bound(cost, b, k, ctx, chunk, prefill_tokens, m.passes / b)
+    return (m.generated / cap + prefill) / num_replicas
 
 
 @dataclass
