@@ -334,6 +334,14 @@ def test_route_refuses_bad_specs(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main.main(["route", "--replica", "war+http://127.0.0.1:9",
                           "--health-interval", "0"]) == 2
     assert "--health-interval" in capsys.readouterr().err
+    for bad in ("0", "-1", "inf", "nan"):
+        assert cli_main.main(["route", "--replica", "war+http://127.0.0.1:9",
+                              "--health-timeout", bad]) == 2
+        assert "--health-timeout must be a finite number > 0" in capsys.readouterr().err
+    from war.cli.route import build_router
+
+    router = build_router(["war+http://127.0.0.1:9"], "war", health_timeout_s=0.5)
+    assert router.config.health_timeout_s == 0.5
     with pytest.raises(SystemExit):
         cli_main.main(["route"])
     with pytest.raises(SystemExit):

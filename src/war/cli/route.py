@@ -15,6 +15,7 @@ Does not know how requests are placed (``war.router``), how replicas are reached
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, TypeAlias
@@ -56,6 +57,9 @@ def add_route_command(commands: Subparsers) -> None:
                         "the router has no tokenizer to read it from)")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S",
                    help="seconds between health checks of the replicas (default: 1)")
+    p.add_argument("--health-timeout", type=float, default=5.0, metavar="S",
+                   help="seconds one replica's health and load check may take before it "
+                        "is marked down (replicas are checked concurrently; default: 5)")
     p.add_argument("--max-attempts", type=int, default=4, metavar="N",
                    help="replicas tried for one request before it fails (default: 4)")
     p.add_argument("--served-model-name", default="war", metavar="NAME",
@@ -72,7 +76,7 @@ def _fail(message: str) -> int:
 
 
 def build_router(specs: list[str], policy: str, health_interval_s: float = 1.0,
-                 max_attempts: int = 4) -> Router:
+                 max_attempts: int = 4, health_timeout_s: float = 5.0) -> Router:
     """A router over ``make_backend(spec)`` for each spec. Raises ``ValueError`` for a
     spec or setting it cannot use."""
     from war.backends import make_backend
@@ -81,7 +85,8 @@ def build_router(specs: list[str], policy: str, health_interval_s: float = 1.0,
 
     if not specs:
         raise ValueError("at least one --replica is needed")
-    config = RouterConfig(max_attempts=max_attempts, health_interval_s=health_interval_s)
+    config = RouterConfig(max_attempts=max_attempts, health_interval_s=health_interval_s,
+                          health_timeout_s=health_timeout_s)
     backends = []
     for spec in specs:
         try:
@@ -107,12 +112,16 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         raise ValueError(f"--port must be in [0, 65536), got {args.port}")
     if not args.health_interval > 0:
         raise ValueError(f"--health-interval must be > 0, got {args.health_interval}")
+    if not 0 < args.health_timeout < math.inf:
+        raise ValueError(f"--health-timeout must be a finite number > 0, got "
+                         f"{args.health_timeout}")
     if args.max_attempts < 1:
         raise ValueError(f"--max-attempts must be >= 1, got {args.max_attempts}")
     bad = next((t for t in args.eos_token_id if t < 0), None)
     if bad is not None:
         raise ValueError(f"--eos-token-id must be >= 0, got {bad}")
-    router = build_router(args.replica, args.policy, args.health_interval, args.max_attempts)
+    router = build_router(args.replica, args.policy, args.health_interval, args.max_attempts,
+                          args.health_timeout)
     api_key: str | None = args.api_key or os.environ.get("WAR_API_KEY") or None
     return create_router_app(router, api_key=api_key, eos_token_ids=args.eos_token_id,
                              model_name=args.served_model_name, manage_router=True)
