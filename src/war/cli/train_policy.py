@@ -19,7 +19,7 @@ from war.cli.console import make_console
 from war.outputs import check_output_dir, check_output_file, write_json
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
-SEED_LIMIT = 2**63  # seeds of the training config and of the evaluation's engine
+SEED_LIMIT = 2**63  # seeds of the training config and of the evaluation's engine (check_seed)
 
 
 def add_train_policy_command(commands: Subparsers) -> None:
@@ -54,6 +54,7 @@ def add_train_policy_command(commands: Subparsers) -> None:
 
 
 def run_train_policy(args: argparse.Namespace) -> int:
+    from war.train.lm import check_seed
     from war.train.policy import (
         PolicyTrainConfig,
         check_policy_out,
@@ -64,15 +65,14 @@ def run_train_policy(args: argparse.Namespace) -> int:
     console = make_console()
     # every value is checked here, before the demonstrations are built: the evaluation
     # seed is used only after the whole training run, and the report after that
-    if not 0 <= args.seed < SEED_LIMIT:
-        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
+    check_seed("--seed", args.seed)
     changes = {k: getattr(args, k) for k in ("steps", "tasks_per_env", "threads")
                if getattr(args, k) is not None}
     config = dataclasses.replace(PolicyTrainConfig(seed=args.seed), **changes)
     if args.eval_tasks < 0:
         raise ValueError(f"--eval-tasks must be >= 0, got {args.eval_tasks}")
-    if args.eval_seed is not None and not 0 <= args.eval_seed < SEED_LIMIT:
-        raise ValueError(f"--eval-seed must be in [0, 2**63), got {args.eval_seed}")
+    if args.eval_seed is not None:
+        check_seed("--eval-seed", args.eval_seed)
     eval_seed = args.eval_seed if args.eval_seed is not None else args.seed + 1000
     if args.eval_tasks > 0 and eval_seed >= SEED_LIMIT:
         raise ValueError(f"--seed {args.seed} leaves no default --eval-seed (seed + 1000 must "

@@ -19,7 +19,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import yaml
 
@@ -44,7 +44,9 @@ TRACE_WORKLOAD_KEYS = ("kind", "rl_steps", "group_size", "copies", "seed", "late
 
 @dataclass(frozen=True)
 class Experiment:
-    """A parsed experiment file (sections as in docs/sim.md); validated on construction."""
+    """A parsed experiment file (sections as in docs/sim.md); its shape is validated on
+    construction, the settings of its sections by ``check_experiment``, which ``load``
+    runs (it builds the cost model, reading a profile's curve: no I/O here)."""
 
     name: str
     base_dir: Path
@@ -78,7 +80,6 @@ class Experiment:
             check_loads([self.plot_load], "plot_load")
         if not all(isinstance(t, str) for t in self.traces):
             raise ValueError(f"traces must be a list of file names, got {list(self.traces)!r}")
-        check_experiment(self)
 
     @classmethod
     def load(cls, path: str | Path) -> Experiment:
@@ -93,9 +94,11 @@ class Experiment:
         if not isinstance(raw, dict):
             raise ValueError(f"{p}: an experiment file is a mapping")
         try:
-            return cls._from_mapping(raw, p)
+            exp = cls._from_mapping(raw, p)
+            check_experiment(exp)  # (builds its cost model: a profile reads its curve)
         except ValueError as e:
             raise ValueError(f"{p}: {e}") from None
+        return exp
 
     @classmethod
     def _from_mapping(cls, raw: dict[str, Any], p: Path) -> Experiment:
@@ -203,36 +206,60 @@ def check_experiment(exp: Experiment) -> None:
     build_cost(exp.cost, exp.base_dir)
     for name, config in exp.configs.items():
         try:
-            sim = sim_config(exp, config)
+            sim = sim_config(exp, config)  # (refuses an unknown policy name)
             try:
                 make_policy(sim.policy, **sim.policy_settings)
-            except KeyError as e:
-                raise ValueError(str(e).strip("'\"")) from None
             except TypeError as e:
                 raise ValueError(f"policy_settings: {e}") from None
         except ValueError as e:
             raise ValueError(f"configuration {name!r}: {e}") from None
-    w = dict(exp.workload)
-    kind = w.pop("kind", "traces")
-    _check_value("workload.rl_steps", w.pop("rl_steps", 1), int)
-    if exp.workload.get("rl_steps", 1) < 1:
-        raise ValueError(f"workload.rl_steps must be >= 1, got {exp.workload['rl_steps']}")
-    if kind == "synthetic":
-        build_section(SyntheticConfig, "workload", w)
-        return
-    unknown = sorted(str(k) for k in w if k not in TRACE_WORKLOAD_KEYS)
+    if exp.workload.get("kind", "traces") == "synthetic":
+        synthetic_settings(exp.workload)
+    else:
+        trace_settings(exp.workload)
+
+
+class TraceSettings(NamedTuple):
+    """A ``kind: traces`` workload section, checked (``trace_settings``)."""
+
+    rl_steps: int
+    group_size: int | None  # None: every trial of a task
+    copies: bool
+    seed: int
+    latency: LatencyModel
+
+
+def trace_settings(workload: Mapping[str, Any]) -> TraceSettings:
+    """The settings of a trace workload section; ValueError naming a bad one."""
+    unknown = sorted(str(k) for k in workload if k not in TRACE_WORKLOAD_KEYS)
     if unknown:
         raise ValueError(f"workload: unknown setting(s) {unknown}; "
                          f"known: {sorted(TRACE_WORKLOAD_KEYS)}")
-    group_size = w.get("group_size")
+    group_size = workload.get("group_size")
     _check_value("workload.group_size", group_size, int | None)
     if group_size is not None and group_size < 1:
         raise ValueError(f"workload.group_size must be >= 1 (or null: every trial), "
                          f"got {group_size}")
-    _check_value("workload.copies", w.get("copies", False), bool)
-    _check_value("workload.seed", w.get("seed", 0), int)
-    build_section(LatencyModel, "workload.latency", w.get("latency", {}),
-                  seed=w.get("seed", 0))
+    copies, seed = workload.get("copies", False), workload.get("seed", 0)
+    _check_value("workload.copies", copies, bool)
+    _check_value("workload.seed", seed, int)
+    latency = build_section(LatencyModel, "workload.latency", workload.get("latency", {}),
+                            seed=seed)
+    return TraceSettings(_rl_steps(workload), group_size, copies, seed, latency)
+
+
+def synthetic_settings(workload: Mapping[str, Any]) -> tuple[int, SyntheticConfig]:
+    """(RL steps, the generator's settings) of a synthetic workload section."""
+    w = {k: v for k, v in workload.items() if k not in ("kind", "rl_steps")}
+    return _rl_steps(workload), build_section(SyntheticConfig, "workload", w)
+
+
+def _rl_steps(workload: Mapping[str, Any]) -> int:
+    rl_steps = workload.get("rl_steps", 1)
+    _check_value("workload.rl_steps", rl_steps, int)
+    if rl_steps < 1:
+        raise ValueError(f"workload.rl_steps must be >= 1, got {rl_steps}")
+    return int(rl_steps)
 
 
 def check_loads(loads: Sequence[float], what: str) -> None:
@@ -262,24 +289,17 @@ def resolve_traces(names: Sequence[str], base_dir: Path) -> list[Path]:
 
 def build_workload(exp: Experiment, load: float, traces: TraceSet | None) -> Workload:
     """The workload at ``load`` trajectories per replica and RL step."""
-    w = dict(exp.workload)
-    kind = w.pop("kind", "traces")
-    replicas = int(exp.sim.get("num_replicas", 4))
-    rl_steps = int(w.pop("rl_steps", 1))
-    if kind == "synthetic":
-        cfg = build_section(SyntheticConfig, "workload", w)
+    if exp.workload.get("kind", "traces") == "synthetic":
+        rl_steps, cfg = synthetic_settings(exp.workload)
+        replicas = int(exp.sim.get("num_replicas", 4))
         groups = max(1, round(load * replicas / cfg.group_size))
         return synthetic_workload(cfg, groups, rl_steps)
     if traces is None:
         raise ValueError("a trace workload needs traces")
-    group_size = w.pop("group_size", None)
-    copies = bool(w.pop("copies", False))
-    seed = int(w.pop("seed", 0))
-    latency = build_section(LatencyModel, "workload.latency", w.pop("latency", {}), seed=seed)
-    if w:
-        raise ValueError(f"unknown workload settings {sorted(w)}")
+    ts = trace_settings(exp.workload)
     per_step, rl_steps = trace_shape(exp, load, traces)
-    return build_trace_steps(traces, per_step, rl_steps, group_size, latency, seed, copies)
+    return build_trace_steps(traces, per_step, rl_steps, ts.group_size, ts.latency, ts.seed,
+                             ts.copies)
 
 
 def trace_shape(exp: Experiment, load: float, traces: TraceSet) -> tuple[int, int]:
@@ -287,11 +307,9 @@ def trace_shape(exp: Experiment, load: float, traces: TraceSet) -> tuple[int, in
     per replica. Without ``copies`` no trajectory is replayed twice: fewer steps when
     the tasks run out, and at most every task in one step (a load above that is the
     traces' largest)."""
-    w = exp.workload
+    ts = trace_settings(exp.workload)
     replicas = int(exp.sim.get("num_replicas", 4))
-    rl_steps = int(w.get("rl_steps", 1))
-    group_size = w.get("group_size")
-    copies = bool(w.get("copies", False))
+    rl_steps, group_size, copies = ts.rl_steps, ts.group_size, ts.copies
     tasks = {t.task_id: 0 for t in traces.trajectories if t.turns}
     for t in traces.trajectories:
         if t.turns:

@@ -102,19 +102,22 @@ def prefill_time(cost: CostModel, tokens: int, context: int, chunk: int) -> floa
     return t
 
 
-def decode_step_time(cost: CostModel, num_seqs: int, k: float, context: float) -> float:
+def decode_step_time(cost: CostModel, num_seqs: int, k: float, context: float,
+                     prompt_tokens: int = 0) -> float:
     """Seconds of a decoding step of ``num_seqs`` sequences verifying ``k`` draft tokens
-    each on average (``context``: their KV, this step's tokens included). Passes verify
-    whole numbers of drafts, so a fractional mean is the mix of its two neighbours that
-    has that mean: the cost at ``floor(k)`` and ``floor(k) + 1``, linearly interpolated
-    (rounding the mean instead charged, or spared, every pass up to half a draft token:
-    up to 6 % of a lone trajectory's time where drafts cost real step time)."""
+    each on average (``context``: their KV, this step's tokens included), with
+    ``prompt_tokens`` of prefill riding along. Passes verify whole numbers of drafts, so
+    a fractional mean is the mix of its two neighbours that has that mean: the cost at
+    ``floor(k)`` and ``floor(k) + 1``, linearly interpolated (rounding the mean instead
+    charged, or spared, every pass up to half a draft token: up to 6 % of a lone
+    trajectory's time where drafts cost real step time)."""
     k0 = math.floor(k)
     w = k - k0
 
     def at(kk: int) -> float:
-        extra = num_seqs * (kk - k)  # the KV of this neighbour's drafts, not the mean's
-        return cost.step_time(num_seqs, num_seqs * (1 + kk), max(1, int(context + extra + 0.5)),
+        # the KV of this neighbour's drafts, not the mean's, and the riding prompt's
+        ctx = max(1, int(context + num_seqs * (kk - k) + prompt_tokens + 0.5))
+        return cost.step_time(num_seqs, num_seqs * (1 + kk) + prompt_tokens, ctx,
                               num_seqs * kk)
 
     t = at(k0)
@@ -208,16 +211,9 @@ def prefill_time_bound(cost: CostModel, num_seqs: int, k: float, context: float,
         return 0.0
     base = decode_step_time(cost, num_seqs, k, context)
     room = max(0, chunk - int(num_seqs * (1 + k) + 0.5))
-    k0 = math.floor(k)
-    w = k - k0
 
     def riding(x: int) -> float:  # seconds x prompt tokens add to one decoding step
-        def grown(kk: int) -> float:
-            ctx = max(1, int(context + num_seqs * (kk - k) + x + 0.5))
-            return cost.step_time(num_seqs, num_seqs * (1 + kk) + x, ctx, num_seqs * kk)
-
-        t = grown(k0) if w == 0.0 else (1.0 - w) * grown(k0) + w * grown(k0 + 1)
-        return max(0.0, t - base)
+        return max(0.0, decode_step_time(cost, num_seqs, k, context, x) - base)
 
     def per_token(least: int, most: int) -> float:  # cheapest mean over piece sizes
         best, x = math.inf, max(1, least)
@@ -244,23 +240,24 @@ def shared_prefix_lens(trajs: Sequence[SimTrajectory]) -> list[int]:
     firsts = [t.turns[0].prompt if t.turns else () for t in trajs]
     if len(firsts) < 2:
         return [0] * len(firsts)
-    everyone = min(len(p) for p in firsts)
-    for p in firsts[1:]:
-        everyone = common_prefix_len(firsts[0], p, 0, everyone)
+    out = [_common_prefix(firsts)] * len(trajs)
     by_group: dict[str, list[int]] = {}
     for i, t in enumerate(trajs):
         by_group.setdefault(t.group_id, []).append(i)
-    out = [everyone] * len(trajs)
     for members in by_group.values():
-        if len(members) < 2:
-            continue
-        first = firsts[members[0]]
-        n = min(len(firsts[i]) for i in members)
-        for i in members[1:]:
-            n = common_prefix_len(first, firsts[i], 0, n)
-        for i in members:
-            out[i] = max(out[i], n)
+        if len(members) > 1:
+            n = _common_prefix([firsts[i] for i in members])
+            for i in members:
+                out[i] = max(out[i], n)
     return out
+
+
+def _common_prefix(prompts: Sequence[Tokens]) -> int:
+    """How many first tokens all of ``prompts`` (at least one) have in common."""
+    first, n = prompts[0], min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        n = common_prefix_len(first, p, 0, n)
+    return n
 
 
 def min_prefill_tokens(trajs: Sequence[SimTrajectory]) -> int:
@@ -272,10 +269,7 @@ def min_prefill_tokens(trajs: Sequence[SimTrajectory]) -> int:
         total += sum(len(u.prompt) for u in t.turns)
         firsts.setdefault(t.group_id, []).append(t.turns[0].prompt)
     for prompts in firsts.values():
-        first, n = prompts[0], min(len(p) for p in prompts)
-        for p in prompts[1:]:
-            n = common_prefix_len(first, p, 0, n)
-        total -= (len(prompts) - 1) * n
+        total -= (len(prompts) - 1) * _common_prefix(prompts)
     return total
 
 

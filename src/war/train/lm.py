@@ -31,6 +31,14 @@ import torch
 import torch.nn.functional as F
 
 
+def check_seed(name: str, seed: object) -> None:
+    """ValueError unless ``seed`` is an int in [0, 2**63): numpy's generators take only
+    non-negative seeds, torch's and the engine's at most 63 bits, so a bad one is refused
+    when it is given rather than when the first batch is drawn."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"{name} must be an int in [0, 2**63), got {seed!r}")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Settings of ``train_lm``; validated on construction.
@@ -86,11 +94,7 @@ class TrainConfig:
         if self.autocast not in (None, "bfloat16", "float16"):
             raise ValueError(
                 f"autocast must be None, 'bfloat16' or 'float16', got {self.autocast!r}")
-        # numpy's generators take only non-negative seeds, torch's at most 64 bits:
-        # refused here rather than when the first batch is drawn
-        if (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        check_seed("seed", self.seed)
         if self.time_budget_s is not None and not (0.0 < self.time_budget_s < math.inf):
             raise ValueError(f"time_budget_s must be > 0 and finite, got {self.time_budget_s!r}")
         if not (0.0 < self.lr < math.inf):

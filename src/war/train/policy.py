@@ -51,7 +51,7 @@ from war.rollout.envs import (
     make,
     sample_tasks,
 )
-from war.train.lm import TrainConfig, TrainLog, TrainResult, train_lm
+from war.train.lm import TrainConfig, TrainLog, TrainResult, check_seed, train_lm
 from war.train.tokenizer import ENDOFTEXT, IM_START, TokenizerConfig, save_tokenizer
 
 BUILTIN_ENVS = ("calculator", "files", "sqlite")
@@ -106,11 +106,8 @@ class PolicyTrainConfig:
     log_every: int = 50
 
     def __post_init__(self) -> None:
-        # the seed also seeds numpy (non-negative) and the engine (int64): checked here,
-        # not after the demonstrations and the tokenizer are built
-        if (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        # (checked here, not after the demonstrations and the tokenizer are built)
+        check_seed("seed", self.seed)
         if (not isinstance(self.envs, tuple) or not self.envs
                 or not all(isinstance(e, str) and e for e in self.envs)
                 or len(set(self.envs)) != len(self.envs)):
@@ -601,8 +598,7 @@ def evaluate_policy(folder: str | os.PathLike[str], *, envs: Sequence[str] = BUI
     from war.rollout.driver import RolloutConfig, run_step_async
 
     _positive_int("tasks_per_env", tasks_per_env)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    check_seed("seed", seed)
     tasks = [t for env in envs for t in sample_tasks(env, tasks_per_env, seed)]
     io = PolicyIO.from_folder(Path(folder))
     engine_config = EngineConfig(kv_cache_bytes=256 * 1024 * 1024, max_num_seqs=64, seed=seed)
