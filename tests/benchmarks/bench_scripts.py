@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -20,3 +23,20 @@ def load_benchmark(part: str, name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def usage_error(script: ModuleType, argv: Sequence[str], heavy: Sequence[str],
+                monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:
+    """Runs ``script.main(argv)`` with its functions ``heavy`` (those that do the work)
+    failing if called: it must stop with a usage error (status 2) before any of them.
+    Returns what it wrote to stderr."""
+
+    def no_work(*_: object, **__: object) -> None:
+        raise AssertionError(f"{script.__name__} worked before its arguments were checked")
+
+    for name in heavy:
+        monkeypatch.setattr(script, name, no_work)
+    with pytest.raises(SystemExit) as e:
+        script.main(list(argv))
+    assert e.value.code == 2
+    return capsys.readouterr().err

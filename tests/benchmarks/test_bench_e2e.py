@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from bench_scripts import load_benchmark
+from bench_scripts import load_benchmark, usage_error
 
 
 @pytest.fixture(scope="module")
@@ -95,17 +95,12 @@ def test_bad_arguments_are_refused(bench: ModuleType, tmp_path: Path, argv: list
 def test_paths_and_ports_are_checked_before_any_server_starts(
         bench: ModuleType, tmp_path: Path, argv: list[str], message: str,
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    def no_work(*_: object, **__: object) -> None:
-        raise AssertionError("the benchmark ran before the arguments were checked")
-
-    monkeypatch.setattr(bench, "run_bench", no_work)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--json", str(tmp_path / "o.json"), "--configs", "4",
-                    "--log-dir", str(tmp_path / "logs"),
-                    *(a.format(tmp=tmp_path) for a in argv)])
-    assert e.value.code == 2
-    assert f" error: {message.format(tmp=tmp_path)}" in capsys.readouterr().err
+    err = usage_error(bench, ["--json", str(tmp_path / "o.json"), "--configs", "4",
+                              "--log-dir", str(tmp_path / "logs"),
+                              *(a.format(tmp=tmp_path) for a in argv)],
+                      ["run_bench"], monkeypatch, capsys)
+    assert f" error: {message.format(tmp=tmp_path)}" in err
     assert not (tmp_path / "o.json").exists()
 
 

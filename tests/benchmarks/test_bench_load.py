@@ -7,7 +7,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from bench_scripts import load_benchmark
+from bench_scripts import load_benchmark, usage_error
 
 pytest.importorskip("war.spec._C", reason="native core war.spec._C is not built")
 
@@ -141,14 +141,6 @@ def test_summary_finds_the_crossover() -> None:
 def test_bad_values_are_refused_before_the_trace_model_is_trained(
         argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    bench = load_script()
-
-    def no_work(*_: object, **__: object) -> None:
-        raise AssertionError("the trace model was made before the arguments were checked")
-
-    monkeypatch.setattr(bench, "ensure_trace_model", no_work)
-    monkeypatch.setattr(bench, "load_model", no_work)
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--quick", *argv])
-    assert e.value.code == 2
-    assert f" error: {message}" in capsys.readouterr().err.splitlines()[-1]
+    err = usage_error(load_script(), ["--quick", *argv], ["ensure_trace_model", "load_model"],
+                      monkeypatch, capsys)
+    assert f" error: {message}" in err.splitlines()[-1]

@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from bench_scripts import load_benchmark
+from bench_scripts import load_benchmark, usage_error
 from fastapi.testclient import TestClient
 
 from war.router.bench import (
@@ -241,15 +241,6 @@ def test_script_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_bad_values_are_usage_errors_before_any_work(
         argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    bench = load_script()
-
-    def no_work(*_: object, **__: object) -> None:
-        raise AssertionError("a measurement started before the arguments were checked")
-
-    monkeypatch.setattr(bench, "run_router_rps", no_work)
-    monkeypatch.setattr(bench, "run_policies", no_work)
-    with pytest.raises(SystemExit) as e:
-        bench.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
+    err = usage_error(load_script(), argv, ["run_router_rps", "run_policies"], monkeypatch,
+                      capsys)
     assert f" error: {message}" in err.splitlines()[-1]  # one usage line, no traceback

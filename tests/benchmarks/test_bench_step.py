@@ -8,7 +8,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from bench_scripts import BENCHMARKS, load_benchmark
+from bench_scripts import BENCHMARKS, load_benchmark, usage_error
 
 from war.rollout.agent import AgentConfig
 from war.rollout.bench import CONFIGS, BenchConfig, run_bench
@@ -44,19 +44,12 @@ def _script() -> ModuleType:
 def test_bad_arguments_are_usage_errors_before_any_run(
         tmp_path: Path, argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    bench = _script()
-
-    def no_work(*_: object, **__: object) -> None:
-        raise AssertionError("the benchmark ran before the arguments were checked")
-
-    monkeypatch.setattr(bench, "run_bench", no_work)
     (tmp_path / "file").write_text("x")
     out = tmp_path / "out.json"
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--json", str(out), "--quick",
-                    *(a.format(tmp=tmp_path) for a in argv)])
-    assert e.value.code == 2
-    line = capsys.readouterr().err.splitlines()[-1]
+    err = usage_error(_script(), ["--json", str(out), "--quick",
+                                  *(a.format(tmp=tmp_path) for a in argv)],
+                      ["run_bench"], monkeypatch, capsys)
+    line = err.splitlines()[-1]
     assert f" error: {message.format(tmp=tmp_path)}" in line
     assert not out.exists()
 

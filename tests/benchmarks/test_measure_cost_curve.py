@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from bench_scripts import load_benchmark
+from bench_scripts import load_benchmark, usage_error
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -22,16 +22,8 @@ from bench_scripts import load_benchmark
 def test_bad_values_are_refused_before_any_work(
         tmp_path: Path, argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    script = load_benchmark("sim", "measure_cost_curve")
-
-    def no_work(*_: object, **__: object) -> None:
-        raise AssertionError("the model was built before the arguments were checked")
-
-    monkeypatch.setattr(script, "init_random", no_work)
     out = tmp_path / "curve.json"
-    with pytest.raises(SystemExit) as e:
-        script.main(["--json", str(out), *argv])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
+    err = usage_error(load_benchmark("sim", "measure_cost_curve"), ["--json", str(out), *argv],
+                      ["init_random"], monkeypatch, capsys)
     assert err.splitlines()[-1].endswith(f" error: {message}")  # one usage line
     assert not out.exists()
