@@ -143,7 +143,9 @@ class Policy {
         has_samples_(nb::getattr(progress, "has_samples")),
         remaining_for_(nb::getattr(progress, "remaining_for")),
         expected_remaining_(nb::getattr(progress, "expected_remaining")),
-        zero_(nb::int_(0)) {}
+        progress_of_(nb::getattr(progress, "progress")),
+        zero_(nb::int_(0)),
+        age_priority_(truth_of(nb::getattr(config, "age_priority").ptr())) {}
 
   nb::object config() const { return config_; }
   nb::object tree() const { return tree_; }
@@ -213,7 +215,10 @@ class Policy {
     PyObject* name = PyTuple_GET_ITEM(items[choice->input], 0);
     nb::object priority = nb::none();
     if (req.tid != nullptr) {
-      if (core_.config().progress_priority) priority = out.begun;
+      if (core_.config().progress_priority) {
+        priority = out.begun;
+        if (age_priority_) priority = at_least_done(q.tid_obj.ptr(), std::move(priority));
+      }
     } else if (core_.config().progress_priority && req.group != nullptr) {
       priority = call(expected_remaining_.ptr(), q.gid_obj.ptr(), zero_.ptr(), zero_.ptr());
     }
@@ -287,6 +292,26 @@ class Policy {
   }
 
  private:
+  // Rule 4's floor (age_priority): `priority` (begin's estimate, or None) raised to the
+  // tokens the trajectory has generated so far, compared and converted as the
+  // reference does (Python's int/float comparison, float(tokens)).
+  nb::object at_least_done(PyObject* tid, nb::object priority) {
+    const nb::object done = call(progress_of_.ptr(), tid);
+    if (done.is_none()) return priority;
+    const nb::object tokens = nb::getattr(done, "tokens");
+    const int positive = PyObject_RichCompareBool(tokens.ptr(), zero_.ptr(), Py_GT);
+    if (positive < 0) throw nb::python_error();
+    if (positive == 0) return priority;
+    if (!priority.is_none()) {
+      const int more = PyObject_RichCompareBool(tokens.ptr(), priority.ptr(), Py_GT);
+      if (more < 0) throw nb::python_error();
+      if (more == 0) return priority;
+    }
+    PyObject* f = PyNumber_Float(tokens.ptr());
+    if (f == nullptr) throw nb::python_error();
+    return nb::steal(f);
+  }
+
   // Marks a call in progress (a re-entrant one raises).
   class Busy {
    public:
@@ -415,7 +440,9 @@ class Policy {
   nb::object insert_, extend_, match_, remove_replica_;
   nb::object begin_, observe_, abort_, finish_, has_samples_, remaining_for_,
       expected_remaining_;
+  nb::object progress_of_;
   nb::object zero_;
+  bool age_priority_;
   wp::OrderedMap<nb::object> ends_;  // request id -> PathEnd, oldest first
   std::unordered_map<std::string, int32_t> ids_;
   std::vector<nb::object> names_;  // id -> the name, as first seen

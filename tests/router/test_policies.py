@@ -539,6 +539,30 @@ def test_war_priority_favours_groups_whose_siblings_ran_long() -> None:
     assert other is not None and short_p < other < long_p
 
 
+def test_war_priority_is_at_least_what_a_trajectory_generated() -> None:
+    # Rule 4's age floor: the first samples of a step are its short ones, so a
+    # trajectory that has outlived them gets at least its own tokens so far.
+    for age in (True, False):
+        p = war(age_priority=age, progress=ProgressConfig(finish_idle_s=10.0,
+                                                          trajectory_ttl_s=100.0))
+        first = req("a/0", tid="a", gid="A", priority=3.0)
+        assert p.select(first, tok_fleet(a=0), 0.0).priority is None  # nothing known
+        p.on_complete(first, res("a/0", (1,) * 300), "a", 1.0)
+        second = p.select(req("a/1", tid="a", gid="A"), tok_fleet(a=0), 2.0).priority
+        assert second == (300.0 if age else None)  # no finished sample anywhere yet
+        # a finished short sibling: one turn of 40 tokens
+        now = _run_trajectory(p, "s", "A", turns=1, tokens_per_turn=40, now=3.0)
+        p.finish_trajectory("s", now)
+        third = p.select(req("a/2", tid="a", gid="A"), tok_fleet(a=0), now).priority
+        assert third is not None
+        estimate = p.progress.expected_remaining("A", 1, 300)
+        assert estimate is not None and estimate < 300
+        assert third == (300.0 if age else estimate)
+        # a new trajectory: the estimate alone (nothing generated)
+        fresh = p.select(req("b/0", tid="b", gid="A"), tok_fleet(a=0), now).priority
+        assert fresh == p.progress.expected_remaining("A", 0, 0)
+
+
 def test_progress_estimate_numbers() -> None:
     est = ProgressEstimator(ProgressConfig(rate_prior_turns=2.0, half_life_s=100.0))
     assert est.expected_remaining("g", 0, 0) is None

@@ -50,6 +50,7 @@ CONFIGS = (
                                                                 trajectory_ttl_s=8)),
     WarPolicyConfig(migrate_rel=1.25, migrate_own_weight=2, group_match_threshold=0,
                     group_work_slack=3, group_abs_requests=2, max_tree_tokens=80),
+    WarPolicyConfig(age_priority=False, max_trajectories=3, progress=_SMALL),
 )
 
 

@@ -63,8 +63,12 @@ Rules, per request, over the healthy replicas:
 4. Priority: ``Decision.priority`` is the trajectory's expected remaining generated
    tokens (``ProgressEstimator``: from its group's finished samples, this step's
    and earlier steps' with exponential decay, given the turns and tokens it has
-   done), so replicas serve the long tail first; ``None`` (the request keeps its
-   own priority) while no finished sample is known.
+   done), so replicas serve the long tail first; with ``age_priority``, at least
+   the tokens it has generated so far (late trajectories first: the samples that
+   finish first in a step are its short ones, so they say little of one that has
+   outlived them, which is the step's long tail; the mean residual life of a
+   heavy tail grows with age). ``None`` (the request keeps its own priority) while
+   nothing is known: no finished sample and nothing generated yet.
 
 Ties break by committed work, load, then name: the same inputs give the same
 decisions. Memory is bounded: trajectories unseen for ``trajectory_ttl_s`` are forgotten and at most
@@ -129,6 +133,8 @@ class WarPolicyConfig:
     * ``max_tree_tokens``: prefix-tree tokens per replica (about its KV capacity).
     * ``trajectory_ttl_s``, ``max_trajectories``: bounds on remembered placements.
     * ``progress_priority``: set ``Decision.priority`` from expected remaining work.
+    * ``age_priority``: that priority is at least the tokens the trajectory has
+      generated so far (rule 4).
     * ``progress``: the progress estimator's settings.
     """
 
@@ -146,6 +152,7 @@ class WarPolicyConfig:
     trajectory_ttl_s: float = 1800.0
     max_trajectories: int = 100_000
     progress_priority: bool = True
+    age_priority: bool = True
     progress: ProgressConfig = field(default_factory=ProgressConfig)
 
     def __post_init__(self) -> None:

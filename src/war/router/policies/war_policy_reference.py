@@ -122,6 +122,11 @@ class ReferenceWarPolicy:
             remaining = self.progress.begin(tid, request.group_id, now)  # (as it stood)
             if cfg.progress_priority:
                 priority = remaining
+                if cfg.age_priority:  # at least what it has generated so far
+                    done = self.progress.progress(tid)
+                    if done is not None and done.tokens > 0 and (
+                            priority is None or done.tokens > priority):
+                        priority = float(done.tokens)
             # everything expected of it, this turn included, is committed to the replica
             # (no estimate: no finished sample at all, so none from the fleet either)
             self._commit(tid, choice, float(request.sampling.max_tokens) if remaining is None
