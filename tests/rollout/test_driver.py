@@ -422,3 +422,132 @@ def test_real_engine_with_a_short_context() -> None:
     for traj in out:
         assert traj.finish_reason != "error", traj.error
         assert len(traj.token_ids) <= limit
+
+
+class FailingFinishingReplica(FinishingReplica):
+    """Serves a trajectory's first turn, then dies: the held turn must still be released."""
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        if req.request_id.endswith("/t1"):
+            raise ConnectionError("replica died")
+        return await super().generate(req)
+
+
+def test_failed_and_cancelled_episodes_are_reported_too() -> None:
+    from war.rollout.agent import run_episode
+    tasks = sample_tasks("calculator", 1, 3)
+    replica = FailingFinishingReplica()
+    tid = trajectory_id(0, tasks[0].task_id, 0)
+    replica.script(tid, tasks[0])
+    out = run_step(tasks, [replica], IO, RolloutConfig(group_size=1))
+    assert out[0].finish_reason == "error" and "replica died" in (out[0].error or "")
+    assert replica.finished == [tid]  # the replica's hold of turn 0 is freed at once
+
+    class Hanging(FinishingReplica):
+        async def generate(self, req: GenRequest) -> GenResult:
+            self.requests.append(req)
+            await asyncio.sleep(3600)
+            raise AssertionError("unreachable")
+
+    hanging = Hanging()
+
+    async def main() -> None:
+        env = make("calculator")
+        try:
+            episode = asyncio.ensure_future(run_episode(
+                tasks[0], env, hanging, IO, AgentConfig(), trajectory_id="t", group_id="g"))
+            while not hanging.requests:
+                await asyncio.sleep(0)
+            episode.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await episode
+        finally:
+            env.close()
+
+    asyncio.run(main())
+    assert hanging.finished == ["t"]
+
+
+def test_a_failing_sync_report_loses_no_trajectory() -> None:
+    class Refusing(ScriptedReplica):
+        def finish_trajectory(self, trajectory_id: str) -> bool:
+            raise ValueError("router refuses")
+
+    tasks = sample_tasks("calculator", 2, 3)
+    replica = Refusing()
+    for t in tasks:
+        replica.script(trajectory_id(0, t.task_id, 0), t)
+    out = run_step(tasks, [replica], IO, RolloutConfig(group_size=1))
+    assert [t.finish_reason for t in out] == ["done", "done"]
+
+
+def test_an_env_that_fails_to_close_keeps_its_trajectory(tmp_path: Path) -> None:
+    from war.rollout.envs import CalculatorEnv, register, unregister
+
+    class BadCloseEnv(CalculatorEnv):
+        name = "bad_close"
+
+        def close(self) -> None:
+            built = self._task is not None  # (reset closes first: only that close works)
+            super().close()
+            if built:
+                raise OSError("cannot remove sandbox")
+
+    def tasks_of(n: int, seed: int) -> list[Any]:
+        return [dataclasses.replace(t, task_id=f"bc-{t.task_id}", env="bad_close")
+                for t in sample_tasks("calculator", n, seed)]
+
+    register("bad_close", BadCloseEnv, tasks_of)
+    try:
+        tasks = tasks_of(2, 4)
+        replica = ScriptedReplica()
+        for t in tasks:
+            replica.scripts[trajectory_id(0, t.task_id, 0)] = expert_actions(
+                CalculatorEnv(), dataclasses.replace(t, env="calculator"))
+        out = run_step(tasks, [replica], IO, RolloutConfig(group_size=1),
+                       output=tmp_path / "s.jsonl")
+    finally:
+        unregister("bad_close")
+    assert [t.finish_reason for t in out] == ["done", "done"]
+    assert [t.reward for t in out] == [1.0, 1.0]
+    assert len(read_jsonl(tmp_path / "s.jsonl")) == 2
+
+
+def test_a_failing_step_stops_its_other_trajectories(tmp_path: Path) -> None:
+    """When one trajectory fails outside its episode (here ``on_done``), the step's
+    other trajectories are stopped, not left running against a closed writer."""
+    from war.rollout.driver import run_step_async
+
+    class Slow(ScriptedReplica):
+        async def generate(self, req: GenRequest) -> GenResult:
+            await asyncio.sleep(0.005 * (1 + len(self.requests)))
+            return await super().generate(req)
+
+    tasks = sample_tasks("calculator", 4, 6)
+    replica = Slow()
+    for t in tasks:
+        replica.script(trajectory_id(0, t.task_id, 0), t)
+
+    def on_done(traj: Any) -> None:
+        raise RuntimeError("consumer died")
+
+    async def main() -> tuple[int, int]:
+        with pytest.raises(RuntimeError, match="consumer died"):
+            await run_step_async(tasks, [replica], IO, RolloutConfig(group_size=1),
+                                 output=tmp_path / "s.jsonl", on_done=on_done)
+        seen = len(replica.requests)
+        await asyncio.sleep(0.3)
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return seen, len(others)
+
+    seen, left = asyncio.run(main())
+    assert left == 0
+    assert len(replica.requests) == seen  # nothing ran after the step failed
+
+
+def test_rollout_config_checks_seed_and_agent() -> None:
+    for bad in (1.5, "7", True, None):
+        with pytest.raises(ValueError, match="seed"):
+            RolloutConfig(seed=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="agent"):
+        RolloutConfig(agent={"max_turns": 2})  # type: ignore[arg-type]

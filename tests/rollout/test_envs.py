@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -35,6 +36,7 @@ from war.rollout.envs import (
     score_answer,
     sqlite_db,
     unregister,
+    validate_arguments,
 )
 from war.rollout.envs.answers import parse_number
 
@@ -355,3 +357,48 @@ def test_registry() -> None:
     assert "echo" not in names()
     with pytest.raises(KeyError):
         unregister("echo")
+
+
+def test_integers_past_a_floats_range_are_observations_not_crashes() -> None:
+    """JSON spells integers of any size; a 400-digit one for a number parameter must
+    not escape call_tool as an OverflowError (which would fail the whole episode)."""
+    env = make("calculator")
+    env.reset(sample_tasks("calculator", 1, seed=0)[0])
+    spec = next(s for s in env.tools() if s.name == "convert")
+    huge = {"value": 10**400, "from_unit": "m", "to_unit": "km"}
+    assert validate_arguments(spec, huge)["value"] == 10**400
+    assert env.call_tool("convert", huge).startswith("error: ")
+    with pytest.raises(ToolError, match="must be a number"):
+        env.call_tool("convert", {**huge, "value": float("inf")})
+    env.close()
+
+
+def test_calculator_bounds_the_magnitude_of_literals_too() -> None:
+    for expression in ("1e200", "-1e200", "1" + "0" * 150, "1e999"):
+        with pytest.raises(ToolError, match="below 1e100"):
+            calculator.evaluate(expression)
+    assert calculator.evaluate("1e99") == 1e99
+
+
+def test_files_reset_that_fails_leaves_no_temporary_tree(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real_write = Path.write_text
+    written: list[Path] = []
+
+    def failing_write(self: Path, *args: Any, **kwargs: Any) -> int:
+        if len(written) == 3:
+            raise OSError("disk full")
+        written.append(self)
+        return real_write(self, *args, **kwargs)
+
+    env = FilesEnv()
+    monkeypatch.setattr(Path, "write_text", failing_write)
+    with pytest.raises(OSError, match="disk full"):
+        env.reset(sample_tasks("files", 1, seed=0)[0])
+    monkeypatch.setattr(Path, "write_text", real_write)
+    assert list(tmp_path.iterdir()) == []  # the half-written tree is gone
+    env.reset(sample_tasks("files", 1, seed=0)[0])  # and the env still works
+    assert env.root is not None and env.root.parent == tmp_path.resolve()
+    env.close()
+    assert list(tmp_path.iterdir()) == []

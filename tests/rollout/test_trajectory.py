@@ -219,3 +219,18 @@ def test_parquet_round_trip(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         write_parquet([bad], tmp_path / "bad.parquet")
     assert not (tmp_path / "bad.parquet").exists()
+
+
+def test_a_lone_surrogate_is_refused_naming_the_trajectory(tmp_path: Path) -> None:
+    """A lone surrogate (e.g. a file name decoded with surrogateescape) is not UTF-8:
+    the writers say which trajectory is at fault and write nothing."""
+    bad = make(0, messages=[{"role": "tool", "content": "name \udcff"}])
+    path = tmp_path / "step.jsonl"
+    with JsonlWriter(path) as w:
+        with pytest.raises(ValueError, match=f"trajectory {bad.trajectory_id}"):
+            w.append(bad)
+        w.append(make(1))
+    assert read_jsonl(path) == [make(1)]
+    with pytest.raises(ValueError, match=f"trajectory {bad.trajectory_id}"):
+        write_parquet([bad], tmp_path / "bad.parquet")
+    assert not (tmp_path / "bad.parquet").exists()

@@ -145,6 +145,22 @@ class _Counters:
     replicas: list[str] = field(default_factory=list)
 
 
+async def _finish_trajectory(replica: Replica, trajectory_id: str) -> None:
+    """Tells ``replica``, where it takes such reports, that the trajectory ended: a router
+    (its policy learns the episode's length; it tells the replica) or a replica backend
+    (it frees KV held for a next turn, EngineConfig.kv_hold_s). An optimization: a
+    failing report is logged, never raised (the replica's hold expires anyway)."""
+    finish_trajectory = getattr(replica, "finish_trajectory", None)
+    if not callable(finish_trajectory):
+        return
+    try:
+        done = finish_trajectory(trajectory_id)
+        if inspect.isawaitable(done):
+            await done
+    except Exception as exc:
+        log.debug("finishing trajectory %s failed: %r", trajectory_id, exc)
+
+
 async def run_episode(
     task: Task,
     env: Environment,
@@ -189,88 +205,84 @@ async def run_episode(
     new_ids = builder.token_ids
     held = False  # whether the replica holds this trajectory's earlier turns
     reward, finish, turns, error = 0.0, "max_turns", 0, None
-    while turns < config.max_turns:
-        room = limit - len(builder)  # >= 1: the prompt and every observation left room
-        if room < 1:  # (only after a replica returned more tokens than it was asked for)
-            finish = "max_tokens"
-            break
-        sampling = SamplingParams(
-            temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-            max_tokens=min(config.max_tokens_per_turn, room), stop_token_ids=io.stop_token_ids,
-            seed=None if seed is None else seed * 1000 + turns, logprobs=True)
-        request_id = f"{trajectory_id}/t{turns}"
-        cont = held and config.send_only_new_tokens
-        req = GenRequest(request_id, tuple(new_ids if cont else builder.token_ids), sampling,
-                         trajectory_id=trajectory_id, group_id=group_id,
-                         priority=priority(turns) if priority else float(turns), continues=cont)
-        t0 = time.perf_counter()
-        try:
-            res = await replica.generate(req)
-        except UnknownTrajectory:
-            req = GenRequest(request_id, tuple(builder.token_ids), sampling,
+    try:
+        while turns < config.max_turns:
+            room = limit - len(builder)  # >= 1: the prompt and every observation left room
+            if room < 1:  # (only after a replica returned more tokens than it was asked for)
+                finish = "max_tokens"
+                break
+            sampling = SamplingParams(
+                temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                max_tokens=min(config.max_tokens_per_turn, room), stop_token_ids=io.stop_token_ids,
+                seed=None if seed is None else seed * 1000 + turns, logprobs=True)
+            request_id = f"{trajectory_id}/t{turns}"
+            cont = held and config.send_only_new_tokens
+            req = GenRequest(request_id, tuple(new_ids if cont else builder.token_ids), sampling,
                              trajectory_id=trajectory_id, group_id=group_id,
-                             priority=req.priority)
-            res = await replica.generate(req)
-        c.generation_s += time.perf_counter() - t0
-        held = True
-        turns += 1
-        c.draft += res.num_draft_tokens
-        c.accepted += res.num_accepted_tokens
-        c.passes += res.num_forward_passes
-        c.cached += res.num_cached_tokens
-        c.prompt += res.num_prompt_tokens
-        c.weight_version = res.weight_version
-        c.replicas.append(replica_name)
-        out = list(res.output_ids)
-        builder.append_sampled(out, res.logprobs)
-        ended_turn = bool(out) and out[-1] in io.stop_token_ids
-        text = io.decode(out)
-        messages.append({"role": "assistant", "content": text})
-        if not ended_turn:  # cut by a token limit in the middle of a turn
-            if res.finish_reason == "length":
-                # "max_tokens" when the trajectory's cap cut it (the budget is used up),
-                # "length" when only the turn's own max_tokens_per_turn did.
-                finish = "max_tokens" if len(builder) >= limit else "length"
-            else:
-                finish, error = "error", f"turn ended with {res.finish_reason}"
-            break
-        parsed = parse_tool_calls(text)
-        if not parsed.has_calls and not parsed.errors:
-            reward = float(env.score(parsed.content))
-            finish = "done"
-            break
-        observations: list[dict[str, Any]] = []
-        t1 = time.perf_counter()
-        for call in parsed.calls:
+                             priority=priority(turns) if priority else float(turns), continues=cont)
+            t0 = time.perf_counter()
             try:
-                output = await asyncio.to_thread(env.call_tool, call.name, dict(call.arguments))
-            except ToolError as exc:
-                output = f"error: {exc}"
-            observations.append(format_tool_response(call.name, output))
-        for problem in parsed.errors:
-            observations.append(format_tool_response("invalid_tool_call", f"error: {problem}"))
-        c.tool_s += time.perf_counter() - t1
-        cont_text = io.template.render_continuation(messages, observations, tools)
-        new_ids = io.encode(cont_text)
-        if len(builder) + len(new_ids) >= limit:
-            # The tool responses (and the next generation prompt) would pass the cap or
-            # leave the policy no token to answer with: the budget is used up. They are
-            # left out of both tokens and messages, which must stay each other's render.
-            finish = "max_tokens"
-            break
-        builder.append_observation(new_ids)
-        messages.extend(observations)
-    end = clock()
-    finish_trajectory = getattr(replica, "finish_trajectory", None)
-    if callable(finish_trajectory):
-        # A router (its policy learns the episode's length; it tells the replica) or a
-        # replica backend (it frees KV held for a next turn, EngineConfig.kv_hold_s).
-        done = finish_trajectory(trajectory_id)
-        if inspect.isawaitable(done):
-            try:
-                await done
-            except Exception as exc:  # an optimization: the replica's hold expires anyway
-                log.debug("finishing trajectory %s failed: %r", trajectory_id, exc)
+                res = await replica.generate(req)
+            except UnknownTrajectory:
+                req = GenRequest(request_id, tuple(builder.token_ids), sampling,
+                                 trajectory_id=trajectory_id, group_id=group_id,
+                                 priority=req.priority)
+                res = await replica.generate(req)
+            c.generation_s += time.perf_counter() - t0
+            held = True
+            turns += 1
+            c.draft += res.num_draft_tokens
+            c.accepted += res.num_accepted_tokens
+            c.passes += res.num_forward_passes
+            c.cached += res.num_cached_tokens
+            c.prompt += res.num_prompt_tokens
+            c.weight_version = res.weight_version
+            c.replicas.append(replica_name)
+            out = list(res.output_ids)
+            builder.append_sampled(out, res.logprobs)
+            ended_turn = bool(out) and out[-1] in io.stop_token_ids
+            text = io.decode(out)
+            messages.append({"role": "assistant", "content": text})
+            if not ended_turn:  # cut by a token limit in the middle of a turn
+                if res.finish_reason == "length":
+                    # "max_tokens" when the trajectory's cap cut it (the budget is used up),
+                    # "length" when only the turn's own max_tokens_per_turn did.
+                    finish = "max_tokens" if len(builder) >= limit else "length"
+                else:
+                    finish, error = "error", f"turn ended with {res.finish_reason}"
+                break
+            parsed = parse_tool_calls(text)
+            if not parsed.has_calls and not parsed.errors:
+                reward = float(env.score(parsed.content))
+                finish = "done"
+                break
+            observations: list[dict[str, Any]] = []
+            t1 = time.perf_counter()
+            for call in parsed.calls:
+                try:
+                    output = await asyncio.to_thread(env.call_tool, call.name, dict(call.arguments))
+                except ToolError as exc:
+                    output = f"error: {exc}"
+                observations.append(format_tool_response(call.name, output))
+            for problem in parsed.errors:
+                observations.append(format_tool_response("invalid_tool_call", f"error: {problem}"))
+            c.tool_s += time.perf_counter() - t1
+            cont_text = io.template.render_continuation(messages, observations, tools)
+            new_ids = io.encode(cont_text)
+            if len(builder) + len(new_ids) >= limit:
+                # The tool responses (and the next generation prompt) would pass the cap or
+                # leave the policy no token to answer with: the budget is used up. They are
+                # left out of both tokens and messages, which must stay each other's render.
+                finish = "max_tokens"
+                break
+            builder.append_observation(new_ids)
+            messages.extend(observations)
+        end = clock()
+    finally:
+        # Also when the episode fails (a replica or environment error) or is cancelled:
+        # otherwise the replica keeps its KV and a router counts the trajectory in
+        # flight until their timeouts.
+        await _finish_trajectory(replica, trajectory_id)
     spec = {
         "draft_tokens": float(c.draft), "accepted_tokens": float(c.accepted),
         "forward_passes": float(c.passes),

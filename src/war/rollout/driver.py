@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from pathlib import Path
 from war.rollout.agent import AgentConfig, PolicyIO, Replica, run_episode
 from war.rollout.envs import Task, make
 from war.rollout.trajectory import JsonlWriter, Trajectory, read_jsonl
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,11 @@ class RolloutConfig:
         if isinstance(self.rl_step, bool) or not isinstance(self.rl_step, int) \
                 or self.rl_step < 0:
             raise ValueError(f"rl_step must be an int >= 0, got {self.rl_step!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            # (a float or string would silently seed every trajectory from its repr)
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.agent, AgentConfig):
+            raise ValueError(f"agent must be an AgentConfig, got {self.agent!r}")
         for name in ("max_in_flight", "max_in_flight_per_replica"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -141,17 +149,28 @@ async def run_step_async(
             except Exception as exc:
                 traj = _failed(task, sample, traj_id, cfg, repr(exc))
             finally:
-                await asyncio.to_thread(env.close)
+                try:
+                    await asyncio.to_thread(env.close)
+                except Exception as exc:  # the episode is over: it keeps its outcome
+                    log.warning("closing env %s of %s failed: %r", task.env, traj_id, exc)
         if writer is not None:
             writer.append(traj)
         if on_done is not None:
             on_done(traj)
         return traj
 
+    todo = [asyncio.ensure_future(one(task, g, tid))
+            for task, g, tid in wanted if tid not in done]
     try:
-        todo = [one(task, g, tid) for task, g, tid in wanted if tid not in done]
         for traj in await asyncio.gather(*todo):
             done[traj.trajectory_id] = traj
+    except BaseException:
+        # One trajectory failed outside its episode (writing it, ``on_done``) or the step
+        # was cancelled: stop the others before the writer closes under them.
+        for fut in todo:
+            fut.cancel()
+        await asyncio.gather(*todo, return_exceptions=True)
+        raise
     finally:
         if writer is not None:
             writer.close()

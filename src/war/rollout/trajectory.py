@@ -302,10 +302,11 @@ def _encode_line(traj: Trajectory) -> bytes:
     traj.check()
     try:
         text = json.dumps(traj.to_dict(), ensure_ascii=False, allow_nan=False)
+        # (a lone surrogate dumps as itself but is not UTF-8: UnicodeEncodeError)
+        return (text + "\n").encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"trajectory {traj.trajectory_id} is not JSON-serializable "
                          f"(messages?): {exc}") from exc
-    return (text + "\n").encode("utf-8")
 
 
 def _decode_line(line: bytes) -> Trajectory:
@@ -480,6 +481,7 @@ def write_parquet(trajectories: Sequence[Trajectory], path: str | os.PathLike[st
         d = traj.check().to_dict()
         try:
             d["messages"] = json.dumps(d["messages"], ensure_ascii=False, allow_nan=False)
+            d["messages"].encode("utf-8")  # (a lone surrogate is not UTF-8)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"trajectory {traj.trajectory_id}: messages are not "
                              f"JSON-serializable: {exc}") from exc

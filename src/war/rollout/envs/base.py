@@ -146,7 +146,9 @@ def validate_arguments(spec: ToolSpec, arguments: object) -> dict[str, Any]:
         kind = props[key]["type"]
         ok = isinstance(value, JSON_TYPES[kind]) and (kind == "boolean" or
                                                        not isinstance(value, bool))
-        if ok and kind == "number" and not math.isfinite(value):
+        # (only floats can be inf/nan; math.isfinite of an int past a float's range, as
+        # JSON may spell it, raises OverflowError)
+        if ok and isinstance(value, float) and not math.isfinite(value):
             ok = False
         if not ok:
             raise ToolError(f"{spec.name}: argument {key!r} must be a{'n' * (kind[0] == 'i')} "

@@ -82,11 +82,11 @@ _BOXES = (("box", "boxes"), ("crate", "crates"), ("basket", "baskets"), ("pouch"
 
 def _eval(node: ast.AST) -> Any:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        result = node.value
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
         value = _eval(node.operand)
         return -value if isinstance(node.op, ast.USub) else value
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+    elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _eval(node.left), _eval(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
             raise ToolError(f"exponent {right} is larger than {MAX_EXPONENT}")

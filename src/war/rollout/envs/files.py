@@ -201,10 +201,14 @@ class FilesEnv(ToolEnv):
         if task.data.get("kind") not in KINDS or not isinstance(task.data.get("seed"), int):
             raise ValueError(f"files task {task.task_id}: data needs a known kind and an int seed")
         root = Path(tempfile.mkdtemp(prefix="war-files-")).resolve()
-        for path, text in generate(task.data["seed"]).files.items():
-            real = root / path.lstrip("/")
-            real.parent.mkdir(parents=True, exist_ok=True)
-            real.write_text(text, encoding="utf-8")
+        try:
+            for path, text in generate(task.data["seed"]).files.items():
+                real = root / path.lstrip("/")
+                real.parent.mkdir(parents=True, exist_ok=True)
+                real.write_text(text, encoding="utf-8")
+        except BaseException:  # (a half-written tree is no one's to delete later)
+            shutil.rmtree(root, ignore_errors=True)
+            raise
         self.root = root
 
     def _teardown(self) -> None:
