@@ -1174,7 +1174,10 @@ def uvicorn_app() -> FastAPI:
     async def completions(request: Request) -> dict[str, Any]:
         body = await request.json()
         prompt = body["prompt"]
-        return {"choices": [{"token_ids": prompt[::-1][:body["max_tokens"]],
+        ids = prompt[::-1][:body["max_tokens"]]
+        # logprobs when asked for, as war serve answers them
+        logprobs = {"token_logprobs": [-0.5] * len(ids)} if body.get("logprobs") else None
+        return {"choices": [{"token_ids": ids, "logprobs": logprobs,
                              "finish_reason": "length"}],
                 "usage": {"prompt_tokens": len(prompt)},
                 "auth": request.headers.get("authorization")}

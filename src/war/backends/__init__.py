@@ -79,7 +79,9 @@ def make_backend(spec: str, *, name: str | None = None, api_key: str | None = No
     scheme = parts.scheme.lower()
     if scheme in ("sim", "instant"):
         label = name or parts.netloc or parts.path.lstrip("/")
-        if not label or parts.query or parts.fragment:
+        # (``sim://a/b``: a name and a path; the path would be dropped unseen)
+        extra = parts.path.strip("/") if parts.netloc else ""
+        if not label or extra or parts.query or parts.fragment:
             raise _bad(spec, f"{scheme}:// takes a name and nothing else")
         return SimulatedBackend(label) if scheme == "sim" else InstantBackend(label)
     kind, plus, transport = scheme.partition("+")

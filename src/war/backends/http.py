@@ -146,7 +146,12 @@ class WarHttpBackend:
             raise ValueError(f"trajectory_id must be a non-empty string, got {trajectory_id!r}")
         body = await self._http.post_json("/v1/trajectories/finish",
                                           {"trajectory_id": trajectory_id}, self.name)
-        return bool(body.get("held", False)) if isinstance(body, dict) else False
+        held = body.get("held", False) if isinstance(body, dict) else None
+        if not isinstance(held, bool):
+            raise ReplicaUnavailable(
+                f"{self.name}: malformed /v1/trajectories/finish response: expected an "
+                f"object with a boolean 'held', got {str(body)[:200]}")
+        return held
 
     async def observe_rl_step(self, rl_step: int) -> None:
         """Tells the replica that RL step ``rl_step`` began (its draft history window
@@ -405,14 +410,38 @@ def logprob(value: Any) -> float:
     return float("nan") if value is None else float(value)
 
 
+_INT = {int}  # the types of a list of plain ints (empty: none)
+
+
+def json_list(value: Any, where: str) -> list[Any]:
+    """``value`` if it is a JSON array; ``ValueError`` naming ``where`` if not (a
+    string's characters or an object's keys would pass for its items)."""
+    if type(value) is not list:
+        raise ValueError(f"{where} must be a list, got {type(value).__name__}")
+    return value
+
+
+def token_ids(value: Any, where: str) -> tuple[int, ...]:
+    """A JSON array of token ids as a tuple of ints (numbers of another type are
+    converted one by one); ``ValueError`` if it is not an array or holds a negative id."""
+    items = json_list(value, where)
+    ids = tuple(items) if set(map(type, items)) <= _INT else tuple(map(int, items))
+    if ids and min(ids) < 0:
+        raise ValueError(f"{where} holds a negative token id ({min(ids)})")
+    return ids
+
+
 def parse_completion(request: GenRequest, data: Mapping[str, Any]) -> GenResult:
     """A WAR ``/v1/completions`` answer (one choice) as a ``GenResult``."""
     choice = data["choices"][0]
-    output = tuple(map(int, choice["token_ids"]))
+    output = token_ids(choice["token_ids"], "choices[0].token_ids")
     logprobs: tuple[float, ...] = ()
-    lp = choice.get("logprobs")
-    if request.sampling.logprobs and lp is not None:
-        logprobs = tuple(logprob(x) for x in lp["token_logprobs"])
+    if request.sampling.logprobs:
+        lp = choice.get("logprobs")
+        if lp is None or lp.get("token_logprobs") is None:
+            raise ValueError("logprobs were asked for but not returned")
+        logprobs = tuple(logprob(x) for x in json_list(lp["token_logprobs"],
+                                                       "logprobs.token_logprobs"))
         if len(logprobs) != len(output):
             raise ValueError(f"{len(logprobs)} logprobs for {len(output)} tokens")
     usage = data.get("usage") or {}

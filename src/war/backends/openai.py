@@ -57,7 +57,9 @@ from war.backends.http import (
     check_base_url,
     check_name,
     finish_reason,
+    json_list,
     logprob,
+    token_ids,
 )
 from war.types import GenRequest, GenResult, ReplicaLoad, UnknownTrajectory
 
@@ -179,9 +181,9 @@ def parse_vllm_completion(request: GenRequest, data: Mapping[str, Any],
     lp = choice.get("logprobs")
     raw_ids = choice.get("token_ids")
     if raw_ids is not None:
-        output = tuple(map(int, raw_ids))
+        output = token_ids(raw_ids, "choices[0].token_ids")
     elif lp is not None and lp.get("tokens") is not None:
-        output = _token_ids_from_strings(lp["tokens"])
+        output = _token_ids_from_strings(json_list(lp["tokens"], "logprobs.tokens"))
     else:
         raise ValueError("the answer has neither choices[0].token_ids nor logprobs.tokens "
                          "(vLLM >= 0.10 with return_token_ids, or logprobs with "
@@ -190,7 +192,8 @@ def parse_vllm_completion(request: GenRequest, data: Mapping[str, Any],
     if request.sampling.logprobs:
         if lp is None or lp.get("token_logprobs") is None:
             raise ValueError("logprobs were asked for but not returned")
-        logprobs = tuple(logprob(x) for x in lp["token_logprobs"])
+        logprobs = tuple(logprob(x) for x in json_list(lp["token_logprobs"],
+                                                       "logprobs.token_logprobs"))
         if len(logprobs) != len(output):
             raise ValueError(f"{len(logprobs)} logprobs for {len(output)} tokens")
     usage = data.get("usage") or {}
@@ -206,9 +209,6 @@ def parse_vllm_completion(request: GenRequest, data: Mapping[str, Any],
     )
 
 
-_INT = {int}  # the types of a list of plain ints (empty: none)
-
-
 def parse_sglang_generate(request: GenRequest, data: Any, total_s: float = 0.0) -> GenResult:
     """An SGLang ``/generate`` answer as a ``GenResult``: token ids from
     ``output_ids``, else from ``meta_info.output_token_logprobs`` (``[logprob,
@@ -218,8 +218,10 @@ def parse_sglang_generate(request: GenRequest, data: Any, total_s: float = 0.0) 
     meta = data.get("meta_info") or {}
     triples = meta.get("output_token_logprobs")
     raw_ids = data.get("output_ids")
+    if triples is not None:
+        triples = json_list(triples, "meta_info.output_token_logprobs")
     if raw_ids is not None:
-        output = tuple(raw_ids) if set(map(type, raw_ids)) <= _INT else tuple(map(int, raw_ids))
+        output = token_ids(raw_ids, "output_ids")
     elif triples is not None:
         output = tuple(int(t[1]) for t in triples)
     else:

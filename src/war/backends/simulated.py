@@ -68,6 +68,15 @@ def echo_output(request: GenRequest, max_tokens: int) -> tuple[tuple[int, ...], 
     return tuple(out), "length" if max_tokens == request.sampling.max_tokens else "stop"
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 def _check_int(what: str, value: int, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{what} must be an int >= {low}, got {value!r}")
@@ -192,9 +201,12 @@ class SimulatedBackend:
             raise UnknownTrajectory(
                 f"request {rid}: trajectory {request.trajectory_id} is not held by "
                 f"{self.name}; send the whole context")
-        context = (*held, *request.prompt_ids) if request.continues else request.prompt_ids
+        if request.continues:
+            context, cached = (*held, *request.prompt_ids), len(held)
+        else:  # the whole context: what it shares with the held one is cached
+            context, cached = request.prompt_ids, _common_prefix(held, request.prompt_ids)
         output, logprobs, reason = self.tokens(request, context)
-        seconds = self.delay(len(context) - len(held), len(context), len(output))
+        seconds = self.delay(len(context) - cached, len(context), len(output))
         crash = self._crash
         start = self.clock.now()
         self._inflight[rid] = len(context) + len(output)
@@ -212,7 +224,7 @@ class SimulatedBackend:
         self.num_completed += 1
         return GenResult(
             request_id=rid, output_ids=output, logprobs=logprobs, finish_reason=reason,
-            num_prompt_tokens=len(context), num_cached_tokens=len(held),
+            num_prompt_tokens=len(context), num_cached_tokens=cached,
             num_forward_passes=len(output), total_s=self.clock.now() - start,
         )
 
