@@ -21,6 +21,7 @@ from rich.table import Table
 
 from war import aio
 from war.cli.console import make_console
+from war.outputs import check_output_dir
 
 if TYPE_CHECKING:  # the run's modules import torch: only when a command runs
     from war.engine.async_engine import AsyncEngine
@@ -112,6 +113,8 @@ def _run(cfg: RunConfig, quiet: bool, fresh: bool) -> int:
     from war.rollout.run import builtin_policy
 
     console = make_console()
+    # where the run's files go is checked before any model is loaded
+    check_output_dir(Path(cfg.output_dir) / cfg.name, "run folder (output_dir/name)")
     _earlier_run(cfg, console, fresh)
     model = cfg.model or str(builtin_policy())
     console.print(f"[bold]WAR rollout[/] {cfg.name}: {cfg.steps} steps x {cfg.tasks_per_step} "
@@ -127,8 +130,10 @@ def _run(cfg: RunConfig, quiet: bool, fresh: bool) -> int:
 
 
 async def _run_with_progress(cfg: RunConfig, console: Console, quiet: bool) -> RunResult:
+    from war.rollout.driver import reusable, trajectory_id
     from war.rollout.run import builtin_policy, make_replicas, run_rollout
 
+    output = Path(cfg.output_dir) / cfg.name / "trajectories.jsonl"  # (as run_rollout's)
     model_dir = Path(cfg.model) if cfg.model else builtin_policy()
     replicas = make_replicas(cfg, model_dir)
     progress = Progress(
@@ -141,9 +146,12 @@ async def _run_with_progress(cfg: RunConfig, console: Console, quiet: bool) -> R
 
     def on_step(step: int, tasks: list[Task]) -> None:
         nonlocal done
-        done = 0
-        progress.reset(bar, total=len(tasks) * cfg.group_size,
-                       description=f"step {step}", info="")
+        # a resumed step's trajectories already in the file count as done: the driver
+        # reuses them without calling on_done
+        ids = [trajectory_id(step, t.task_id, g) for t in tasks for g in range(cfg.group_size)]
+        done = len(reusable(output, ids))
+        progress.reset(bar, total=len(ids), completed=done, description=f"step {step}",
+                       info="")
 
     def on_done(traj: Trajectory) -> None:
         nonlocal tokens, done

@@ -37,8 +37,9 @@ def add_sim_command(commands: Subparsers) -> None:
 
 
 def run_sim(args: argparse.Namespace) -> int:
+    from war.cli.paths import check_not_input
     from war.outputs import check_output_dir, check_output_file, write_json
-    from war.sim.experiment import Experiment, check_loads, run_experiment
+    from war.sim.experiment import Experiment, check_loads, resolve_traces, run_experiment
     from war.sim.plots import write_plots
     from war.sim.report import summary_lines, targets
 
@@ -51,10 +52,20 @@ def run_sim(args: argparse.Namespace) -> int:
         check_loads(args.loads, "--loads")
     # A sweep takes minutes: where its report and plots go is checked first.
     check_output_file(args.json, "--json")
+    check_not_input(args.json, "--json", [("--config", args.config),
+                                          *(("--traces", t) for t in args.traces or ())])
     if args.plots is not None:
         check_output_dir(args.plots, "--plots")
     exp = Experiment.load(args.config)
+    if exp.workload.get("kind", "traces") != "traces":
+        if args.traces:  # (the run would read none of them)
+            raise ValueError(f"--traces: the experiment's workload is "
+                             f"{exp.workload.get('kind')!r}, which reads no trace files")
+    elif not args.traces:
+        check_not_input(args.json, "--json", (("experiment's trace", t)
+                                              for t in resolve_traces(exp.traces, exp.base_dir)))
     if args.configs:
+        args.configs = list(dict.fromkeys(args.configs))  # (each configuration runs once)
         missing = sorted(set(args.configs) - set(exp.configs))
         if missing:
             raise ValueError(f"unknown configuration(s) {missing}; known: {sorted(exp.configs)}")

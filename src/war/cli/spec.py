@@ -18,6 +18,7 @@ from rich.table import Table
 
 from war import data
 from war.cli.console import make_console
+from war.cli.paths import check_not_input
 from war.outputs import check_output_file, write_json
 from war.spec import SpecConfig, SuffixSpeculator
 from war.spec.replay import MODES, ReplayReport, baseline_config, mode_config, replay_by_file
@@ -77,6 +78,7 @@ def _replay(trajs: Sequence[Trajectory], cfg: SpecConfig) -> ReplayReport:
 def run_replay(args: argparse.Namespace) -> int:
     if args.json is not None:
         check_output_file(args.json, "--json")
+        check_not_input(args.json, "--json", (("--traces", t) for t in args.traces or ()))
     trajs = _trajectories(args)
     cfg = mode_config(args.mode)
     report = _replay(trajs, cfg)

@@ -16,6 +16,7 @@ from typing import TypeAlias
 from rich.table import Table
 
 from war.cli.console import make_console
+from war.cli.paths import check_not_input
 from war.outputs import check_output_dir, check_output_file, write_json
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -56,6 +57,7 @@ def add_train_policy_command(commands: Subparsers) -> None:
 def run_train_policy(args: argparse.Namespace) -> int:
     from war.train.lm import check_seed
     from war.train.policy import (
+        POLICY_FILES,
         PolicyTrainConfig,
         check_policy_out,
         evaluate_policy,
@@ -80,6 +82,10 @@ def run_train_policy(args: argparse.Namespace) -> int:
     if eval_seed == args.seed:
         raise ValueError("--eval-seed must differ from --seed (held-out tasks)")
     if args.json is not None:
+        # the policy's own files in --out are replaced by the new policy's: a report
+        # written there would overwrite one of them (or be replaced by it)
+        check_not_input(args.json, "--json", (("--out policy", args.out / name)
+                                              for name in POLICY_FILES))
         check_output_file(args.json, "--json")
     check_policy_out(args.out, "--out")
     check_output_dir(args.out, "--out")
