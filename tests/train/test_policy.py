@@ -183,6 +183,38 @@ def test_config_is_validated() -> None:
         PolicyTrainConfig(vocab_size=100)
 
 
+@pytest.mark.parametrize("theta", [0.5, -1.0, float("nan"), "10000"])
+def test_the_models_settings_are_checked_by_the_config(theta: object) -> None:
+    # not only once the demonstrations and the tokenizer are built
+    with pytest.raises(ValueError, match="rope_theta"):
+        PolicyTrainConfig(rope_theta=theta)  # type: ignore[arg-type]
+
+
+def test_an_unknown_environment_is_refused_before_any_demonstration(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import war.train.policy as policy
+
+    def fail(*_: object, **__: object) -> None:
+        raise AssertionError("demonstrations were built before the names were checked")
+
+    monkeypatch.setattr(policy, "sample_tasks", fail)
+    with pytest.raises(ValueError, match="unknown environment 'nope'"):
+        build_demonstrations(dataclasses.replace(TINY, envs=("calculator", "nope")))
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"envs": ()}, "envs"),
+    ({"envs": "calculator"}, "envs"),
+    ({"envs": ("calculator", "calculator")}, "envs"),
+    ({"envs": ("nope",)}, "unknown environment 'nope'"),
+    ({"threads": 0}, "threads"),
+])
+def test_evaluation_arguments_are_checked_first(tmp_path: Path, kwargs: dict[str, object],
+                                                named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        evaluate_policy(tmp_path / "no-policy", tasks_per_env=1, **kwargs)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("seed", [-1, 2**63])
 def test_seeds_out_of_range_are_refused_by_the_config(seed: int) -> None:
     with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63\)"):

@@ -13,7 +13,14 @@ from tokenizers import Tokenizer
 
 from war.engine.loader import init_random
 from war.engine.model_config import ModelConfig
-from war.train import SPECIAL_TOKENS, TokenizerConfig, TrainConfig, save_tokenizer, train_lm
+from war.train import (
+    SPECIAL_TOKENS,
+    TokenizerConfig,
+    TrainConfig,
+    TrainLog,
+    save_tokenizer,
+    train_lm,
+)
 from war.train.tokenizer import train_tokenizer
 
 TEXTS = [
@@ -68,6 +75,12 @@ def repetitive_stream(n: int = 2000) -> np.ndarray:
     return np.tile(np.arange(3, 19), n // 16)
 
 
+@pytest.mark.parametrize("specials", ["<|endoftext|>", None, ["<|endoftext|>"]])
+def test_special_tokens_not_a_tuple_are_refused(specials: object) -> None:
+    with pytest.raises(ValueError, match="special_tokens must be a tuple of strings"):
+        TokenizerConfig(special_tokens=specials)  # type: ignore[arg-type]
+
+
 def test_training_lowers_the_loss() -> None:
     model = tiny_model()
     cfg = TrainConfig(seq_len=16, batch_size=8, steps=40, lr=1e-2, warmup_steps=4, log_every=10,
@@ -114,12 +127,39 @@ def test_bad_input_is_rejected() -> None:
         train_lm(tiny_model(), np.zeros((4, 40), dtype=np.int64), TrainConfig(seq_len=16))
 
 
+@pytest.mark.parametrize("field, value", [
+    ("lr", "3e-3"), ("lr", True), ("min_lr_ratio", "0.1"), ("weight_decay", [0.1]),
+    ("eps", "1e-8"), ("time_budget_s", "60"), ("grad_clip", "1.0"),
+])
+def test_settings_of_the_wrong_type_are_refused_naming_them(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be a number"):
+        TrainConfig(**{field: value})
+
+
+@pytest.mark.parametrize("betas", [0.9, ("0.9", "0.95"), (0.9, None), [0.9, 0.95]])
+def test_betas_not_two_numbers_are_refused(betas: object) -> None:
+    with pytest.raises(ValueError, match="betas must be two numbers"):
+        TrainConfig(betas=betas)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("seed", [-1, 2**63, 2**64])
 def test_seeds_numpy_and_torch_cannot_take_are_refused(seed: int) -> None:
     # refused by the config, not by numpy when the first batch is drawn
     with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63\)"):
         TrainConfig(seed=seed)
     assert TrainConfig(seed=2**63 - 1).seed == 2**63 - 1
+
+
+def test_a_failed_run_leaves_the_model_in_eval_mode() -> None:
+    model = tiny_model()
+
+    def fail(_: TrainLog) -> None:
+        raise RuntimeError("logging failed")
+
+    with pytest.raises(RuntimeError, match="logging failed"):
+        train_lm(model, repetitive_stream(), TrainConfig(seq_len=16, batch_size=2, steps=2,
+                                                         log_every=1), log=fail)
+    assert not model.training
 
 
 def test_lr_schedule_warms_up_then_decays() -> None:

@@ -39,6 +39,10 @@ def check_seed(name: str, seed: object) -> None:
         raise ValueError(f"{name} must be an int in [0, 2**63), got {seed!r}")
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Settings of ``train_lm``; validated on construction.
@@ -95,6 +99,13 @@ class TrainConfig:
             raise ValueError(
                 f"autocast must be None, 'bfloat16' or 'float16', got {self.autocast!r}")
         check_seed("seed", self.seed)
+        # the comparisons below would raise a TypeError naming nothing for a string
+        for name in ("lr", "min_lr_ratio", "weight_decay", "eps", "time_budget_s", "grad_clip"):
+            value = getattr(self, name)
+            if value is not None and not _is_number(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.betas, tuple) or not all(_is_number(b) for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.time_budget_s is not None and not (0.0 < self.time_budget_s < math.inf):
             raise ValueError(f"time_budget_s must be > 0 and finite, got {self.time_budget_s!r}")
         if not (0.0 < self.lr < math.inf):
@@ -199,6 +210,7 @@ def train_lm(
         with torch.random.fork_rng(devices=[]):  # the caller's global RNG is left as it was
             return _train(model, stream, cfg, log, clock, mask, starts)
     finally:
+        model.eval()  # also when training fails (a non-finite loss, a failing ``log``)
         if cfg.threads is not None:
             torch.set_num_threads(old_threads)
 

@@ -51,6 +51,7 @@ from war.rollout.envs import (
     make,
     sample_tasks,
 )
+from war.rollout.envs import names as env_names
 from war.train.lm import TrainConfig, TrainLog, TrainResult, check_seed, train_lm
 from war.train.tokenizer import ENDOFTEXT, IM_START, TokenizerConfig, save_tokenizer
 
@@ -125,9 +126,11 @@ class PolicyTrainConfig:
         if self.seq_len >= self.max_position_embeddings:
             raise ValueError(f"seq_len {self.seq_len} must be below max_position_embeddings "
                              f"{self.max_position_embeddings}")
-        # the rest is checked by the configs it builds
+        # the rest is checked by the configs it builds (the model's with stand-in token
+        # ids: its real vocabulary is known only once the tokenizer is fitted)
         self.tokenizer_config()
         self.train_config()
+        self._llama(vocab_size=self.vocab_size, eos_token_id=0, pad_token_id=0)
 
     def tokenizer_config(self) -> TokenizerConfig:
         return TokenizerConfig(vocab_size=self.vocab_size, min_frequency=self.min_frequency,
@@ -142,14 +145,18 @@ class PolicyTrainConfig:
 
     def model_config(self, tokenizer: Tokenizer) -> ModelConfig:
         """The Llama for ``tokenizer`` (its vocabulary size, ``<|im_end|>`` as eos)."""
+        return self._llama(vocab_size=tokenizer.get_vocab_size(),
+                           eos_token_id=_token_id(tokenizer, IM_END),
+                           pad_token_id=_token_id(tokenizer, ENDOFTEXT))
+
+    def _llama(self, *, vocab_size: int, eos_token_id: int, pad_token_id: int) -> ModelConfig:
         return ModelConfig(
-            model_type="llama", vocab_size=tokenizer.get_vocab_size(),
+            model_type="llama", vocab_size=vocab_size,
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads, rms_norm_eps=1e-5,
             rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings,
-            tie_word_embeddings=True, eos_token_id=(_token_id(tokenizer, IM_END),),
-            pad_token_id=_token_id(tokenizer, ENDOFTEXT),
+            tie_word_embeddings=True, eos_token_id=(eos_token_id,), pad_token_id=pad_token_id,
         )
 
 
@@ -221,10 +228,27 @@ def _make_env(name: str) -> Environment:
         return make(name)
 
 
+def _check_envs(envs: object, what: str) -> tuple[str, ...]:
+    """``envs`` as a tuple, or ValueError naming ``what`` unless it is a non-empty
+    sequence of distinct registered environment names (checked before any of them is
+    used, so that a misspelt last name does not fail after the others' work)."""
+    if (isinstance(envs, str) or not isinstance(envs, Sequence) or not envs
+            or not all(isinstance(e, str) and e for e in envs)
+            or len(set(envs)) != len(envs)):
+        raise ValueError(f"{what} must be a non-empty sequence of distinct environment "
+                         f"names, got {envs!r}")
+    unknown = [e for e in envs if e not in env_names()]
+    if unknown:
+        raise ValueError(f"{what}: unknown environment {', '.join(map(repr, unknown))} "
+                         f"(known: {', '.join(env_names()) or 'none'})")
+    return tuple(envs)
+
+
 def build_demonstrations(config: PolicyTrainConfig) -> list[Episode]:
     """``config.tasks_per_env`` expert episodes of each of ``config.envs`` (tasks
     ``sample_tasks(env, n, config.seed)``), in a seeded shuffled order. Episodes the
     expert does not solve (score below 1) are left out."""
+    _check_envs(config.envs, "envs")
     tmpl = HermesTemplate()
     episodes: list[Episode] = []
     for name in config.envs:
@@ -597,8 +621,11 @@ def evaluate_policy(folder: str | os.PathLike[str], *, envs: Sequence[str] = BUI
     from war.rollout.agent import AgentConfig, PolicyIO
     from war.rollout.driver import RolloutConfig, run_step_async
 
+    envs = _check_envs(envs, "envs")
     _positive_int("tasks_per_env", tasks_per_env)
     check_seed("seed", seed)
+    if threads is not None:
+        _positive_int("threads", threads)
     tasks = [t for env in envs for t in sample_tasks(env, tasks_per_env, seed)]
     io = PolicyIO.from_folder(Path(folder))
     engine_config = EngineConfig(kv_cache_bytes=256 * 1024 * 1024, max_num_seqs=64, seed=seed)

@@ -60,6 +60,9 @@ class TokenizerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.special_tokens, tuple):  # a str would be split into letters
+            raise ValueError(f"special_tokens must be a tuple of strings, "
+                             f"got {self.special_tokens!r}")
         if self.vocab_size < 256 + len(self.special_tokens):
             raise ValueError(
                 f"vocab_size must hold the 256 bytes and {len(self.special_tokens)} special "
