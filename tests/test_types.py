@@ -17,6 +17,7 @@ from war.types import GenRequest, SamplingParams
     ({"temperature": None}, "temperature"),
     ({"temperature": True}, "temperature"),
     ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"),
     ({"top_p": "1"}, "top_p"),
     ({"top_p": None}, "top_p"),
     ({"top_p": True}, "top_p"),

@@ -79,8 +79,10 @@ class SamplingParams:
     logprobs: bool = True
 
     def __post_init__(self) -> None:
-        if not _is_real(self.temperature) or not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_real(self.temperature) or not (0.0 <= self.temperature < math.inf):
+            # (an infinite one divides every logit into a uniform draw, or NaN)
+            raise ValueError(f"temperature must be a finite number >= 0, "
+                             f"got {self.temperature!r}")
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:

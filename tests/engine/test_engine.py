@@ -441,3 +441,33 @@ def test_an_unusable_device_is_a_value_error_before_anything_is_built(
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             torch_device("cuda:0")
+
+
+def test_history_with_out_of_vocabulary_tokens_is_refused(model64: CausalLM) -> None:
+    """A history token outside the vocabulary would be drafted and fed to the model,
+    failing every later step: ``add_history`` refuses it up front."""
+    spec = SpecConfig(min_prob=0.0, max_spec_tokens=8)
+    eng = make_engine(model64, spec_mode="always", spec=spec, num_kv_blocks=64)
+    prompt = (1, 2, 3, 4, 5, 6, 7)
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    [ref] = make_engine(model64, spec_mode="off").generate([GenRequest("ref", prompt, sp)])
+    # A history that continues the greedy output with a token id the model lacks.
+    history = [*prompt, *ref.output_ids[:2], 97, 98]
+    for bad in (history, [*prompt, -1], [*prompt, 1.5]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            eng.add_history(bad)  # type: ignore[arg-type]
+    assert eng.speculator.num_history_entries == 0
+    [res] = eng.generate([GenRequest("a", prompt, sp)])
+    assert res.output_ids == ref.output_ids
+    eng.check_integrity()
+
+
+def test_an_infinite_temperature_is_refused(model64: CausalLM) -> None:
+    """Sampling would divide the logits by inf (a uniform draw, NaN for a -inf logit):
+    ``SamplingParams`` refuses it, and a huge finite temperature still samples."""
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(temperature=float("inf"), max_tokens=4, seed=1)
+    eng = make_engine(model64, spec_mode="off", num_kv_blocks=64)
+    [res] = eng.generate([GenRequest("ok", (1, 2, 3), SamplingParams(temperature=1e300,
+                                                                      max_tokens=4, seed=1))])
+    assert len(res.output_ids) == 4

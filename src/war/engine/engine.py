@@ -249,8 +249,16 @@ class Engine:
     # ------------------------------------------------------------ history and weights
 
     def add_history(self, token_ids: Seq[int], group_id: str | None = None) -> None:
-        """Adds a completed response (from another replica) to the draft history."""
-        self.speculator.add_history(list(token_ids), group_id)
+        """Adds a completed response (from another replica) to the draft history;
+        raises ValueError (changing nothing) for a token id outside the vocabulary,
+        which drafts would otherwise feed to the model in a later step."""
+        ids = list(token_ids)
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+                raise ValueError(
+                    f"history token id {t!r} outside the vocabulary [0, {vocab})")
+        self.speculator.add_history(ids, group_id)
 
     def observe_rl_step(self, rl_step: int) -> None:
         """Advances the draft history's sliding window of RL steps."""
