@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -63,6 +63,15 @@ class _Plan:
     draft_tokens: np.ndarray  # draft token ids fed after the pending token
     draft_parents: np.ndarray
     draft_probs: np.ndarray
+
+
+def _outside_vocab(ids: Seq[object], vocab: int,
+                   kinds: tuple[type[int] | type[np.integer[Any]], ...]) -> int | None:
+    """The index of the first of ``ids`` that is no token id of a ``vocab``-token
+    vocabulary (a bool, not of ``kinds``, or outside ``[0, vocab)``); None if none."""
+    return next((i for i, t in enumerate(ids)
+                 if isinstance(t, bool) or not isinstance(t, kinds) or not 0 <= t < vocab),
+                None)
 
 
 class Engine:
@@ -171,10 +180,10 @@ class Engine:
             request = dataclasses.replace(
                 request, prompt_ids=(*held, *request.prompt_ids), continues=False)
         vocab = self.model_config.vocab_size
-        for t in request.prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(
-                    f"request {rid}: token id {t!r} outside the vocabulary [0, {vocab})")
+        bad = _outside_vocab(request.prompt_ids, vocab, (int,))
+        if bad is not None:
+            raise ValueError(f"request {rid}: token id {request.prompt_ids[bad]!r} outside "
+                             f"the vocabulary [0, {vocab})")
         sp = request.sampling
         for t in sp.stop_token_ids:
             if t >= vocab:
@@ -254,10 +263,9 @@ class Engine:
         which drafts would otherwise feed to the model in a later step."""
         ids = list(token_ids)
         vocab = self.model_config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
-                raise ValueError(
-                    f"history token id {t!r} outside the vocabulary [0, {vocab})")
+        bad = _outside_vocab(ids, vocab, (int, np.integer))
+        if bad is not None:
+            raise ValueError(f"history token id {ids[bad]!r} outside the vocabulary [0, {vocab})")
         self.speculator.add_history(ids, group_id)
 
     def observe_rl_step(self, rl_step: int) -> None:

@@ -210,10 +210,9 @@ def trajectory_ids(cfg: RunConfig) -> set[str]:
     (``driver.reusable``). Draws the steps' tasks as ``run_rollout`` does; no model."""
     pool = task_pool(cfg)
     out: set[str] = set()
-    for step in range(cfg.steps):
-        sc = _step_config(cfg, step)  # (named as the driver names them)
+    for step in range(cfg.steps):  # (each step's RolloutConfig: rl_step=step, group_size)
         for task in step_tasks(pool, cfg.tasks_per_step, cfg.seed, step):
-            out.update(trajectory_id(sc.rl_step, task.task_id, g) for g in range(sc.group_size))
+            out.update(trajectory_id(step, task.task_id, g) for g in range(cfg.group_size))
     return out
 
 
