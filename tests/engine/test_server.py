@@ -342,7 +342,7 @@ def test_serve_reports_a_missing_model_folder(
 
 
 def test_serve_reports_an_unusable_device(capsys: pytest.CaptureFixture[str]) -> None:
-    """One error line, before any port is bound (a traceback from inside torch before)."""
+    """One error line (a traceback from inside torch before); the port is free again."""
     from war import data
 
     assert war_main(["serve", "--model", str(data.policy_path()), "--port", "0",
@@ -350,6 +350,34 @@ def test_serve_reports_an_unusable_device(capsys: pytest.CaptureFixture[str]) ->
     err = capsys.readouterr().err
     assert err.startswith("war: error: device 'foo' is not a torch device")
     assert "Traceback" not in err
+
+
+def test_serve_reports_a_taken_port_before_loading_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One error line and status 1, before the model is read (uvicorn logged the bind
+    error and exited with its own status 3, after the model had loaded)."""
+    folder = tmp_path / "tiny"
+    save_model(init_random(ModelConfig.from_dict(TINY), seed=0), folder)
+    (folder / "model.safetensors").write_bytes(b"not weights")  # loading it would fail
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert war_main(["serve", "--model", str(folder), "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"war: error: cannot serve on 127.0.0.1:{port}: "), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bind_socket_binds_names_and_addresses() -> None:
+    from war.cli.serve import bind_socket
+
+    for host in ("127.0.0.1", "localhost"):
+        with bind_socket(host, 0) as sock:
+            assert sock.getsockname()[1] > 0
+    with pytest.raises(OSError):
+        bind_socket("256.1.1.1", 0)
 
 
 def _free_port() -> int:

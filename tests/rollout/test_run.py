@@ -43,6 +43,12 @@ def test_config_files_and_errors(tmp_path: Path) -> None:
     bad.write_text("steps: [1\n")
     with pytest.raises(ValueError, match="not valid"):
         load_run_config(bad)
+    upper = tmp_path / "RUN.YAML"  # the suffix's case does not make it JSON
+    upper.write_text("name: up\nsteps: 4\n")
+    assert load_run_config(upper).steps == 4
+    as_json = tmp_path / "run.json"
+    as_json.write_text('{"steps": 3}')
+    assert load_run_config(as_json).steps == 3
 
 
 def test_tasks_recur_across_steps() -> None:
@@ -136,6 +142,11 @@ def test_war_demo_starts_afresh_and_keeps_the_earlier_run(
 @pytest.mark.parametrize(("raw", "message"), [
     ({"name": 2024}, "name must be a non-empty string, got 2024"),
     ({"name": ""}, "name must be a non-empty string"),
+    ({"name": ".."}, "name must be a folder name"),
+    ({"name": "."}, "name must be a folder name"),
+    ({"name": "../elsewhere"}, "name must be a folder name"),
+    ({"name": "a/b"}, "name must be a folder name"),
+    ({"name": "a\\b"}, "name must be a folder name"),
     ({"output_dir": 7}, "output_dir must be a non-empty string"),
     ({"model": 5}, "model must be a model folder"),
     ({"envs": None}, "envs must be a list of environment names, got None"),
@@ -217,3 +228,33 @@ def test_resume_message_counts_only_what_is_reused(
     out = " ".join(capsys.readouterr().out.split())
     assert "1 trajectories already in trajectories.jsonl are reused" in out, out
     assert "1 trajectories reused from the stopped run" in out
+
+
+def test_a_failed_start_leaves_no_replica_running(
+        tmp_path: Path, random_policy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's own replicas are closed when one of them fails to start (or anything
+    else fails before the first step): none keeps its engine thread."""
+    import asyncio
+
+    from war.rollout import run as run_mod
+
+    events: list[str] = []
+
+    class Replica:
+        def __init__(self, name: str, fails: bool) -> None:
+            self.name, self.fails = name, fails
+
+        def start(self) -> None:
+            if self.fails:
+                raise RuntimeError(f"{self.name} cannot start")
+            events.append(f"start {self.name}")
+
+        async def close(self) -> None:
+            events.append(f"close {self.name}")
+
+    monkeypatch.setattr(run_mod, "make_replicas", lambda cfg, model: {
+        "replica0": Replica("replica0", False), "replica1": Replica("replica1", True)})
+    cfg = RunConfig(name="r", model=str(random_policy), output_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="replica1 cannot start"):
+        asyncio.run(run_mod.run_rollout(cfg))
+    assert events == ["start replica0", "close replica0", "close replica1"]

@@ -4,6 +4,7 @@ between replicas, shared history, health checks."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -338,6 +339,9 @@ def test_retry_budget_and_config_validation() -> None:
     assert r.stats.failed == 1
     with pytest.raises(ValueError):
         RouterConfig(max_attempts=0)
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="health_interval_s must be a finite number"):
+            RouterConfig(health_interval_s=bad)
     with pytest.raises(ValueError, match="at least one"):
         Router({}, Sticky())
 

@@ -331,9 +331,10 @@ def test_route_refuses_bad_specs(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main.main(["route", "--replica", "nonsense://x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("war route: error: --replica 'nonsense://x'")
-    assert cli_main.main(["route", "--replica", "war+http://127.0.0.1:9",
-                          "--health-interval", "0"]) == 2
-    assert "--health-interval" in capsys.readouterr().err
+    for bad in ("0", "-1", "inf", "nan"):  # (inf: a down replica would never be re-checked)
+        assert cli_main.main(["route", "--replica", "war+http://127.0.0.1:9",
+                              "--health-interval", bad]) == 2
+        assert "--health-interval must be a finite number > 0" in capsys.readouterr().err
     for bad in ("0", "-1", "inf", "nan"):
         assert cli_main.main(["route", "--replica", "war+http://127.0.0.1:9",
                               "--health-timeout", bad]) == 2

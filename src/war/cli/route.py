@@ -110,8 +110,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65536), got {args.port}")
-    if not args.health_interval > 0:
-        raise ValueError(f"--health-interval must be > 0, got {args.health_interval}")
+    if not 0 < args.health_interval < math.inf:
+        raise ValueError(f"--health-interval must be a finite number > 0, got "
+                         f"{args.health_interval}")
     if not 0 < args.health_timeout < math.inf:
         raise ValueError(f"--health-timeout must be a finite number > 0, got "
                          f"{args.health_timeout}")

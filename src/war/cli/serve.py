@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
@@ -114,13 +115,36 @@ def run_serve(args: argparse.Namespace) -> int:
         device=args.device,
         seed=args.seed,
     )
-    engine = Engine.from_pretrained(folder, config)
-    aio.run(_serve(engine, args.served_model_name, api_key, args.host, args.port,
-                       args.log_level))
+    # The address is bound first: a port that is taken (or an address this machine
+    # does not have) is one error line before the model is loaded, not uvicorn's log
+    # and exit status after it. uvicorn then serves on this very socket (no race).
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        raise ValueError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
+    with sock:
+        engine = Engine.from_pretrained(folder, config)
+        aio.run(_serve(engine, args.served_model_name, api_key, sock, args.log_level))
     return 0
 
 
-async def _serve(engine: Engine, model_name: str, api_key: str | None, host: str, port: int,
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (a name or an address, IPv4 or IPv6), as
+    uvicorn binds one (address reuse on, inheritable); raises ``OSError``."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+async def _serve(engine: Engine, model_name: str, api_key: str | None, sock: socket.socket,
                  log_level: str) -> None:
     import uvicorn
 
@@ -129,6 +153,5 @@ async def _serve(engine: Engine, model_name: str, api_key: str | None, host: str
 
     async with AsyncEngine(engine) as async_engine:
         app = create_app(async_engine, model_name=model_name, api_key=api_key)
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                access_log=False)
-        await uvicorn.Server(config).serve()
+        config = uvicorn.Config(app, log_level=log_level, access_log=False)
+        await uvicorn.Server(config).serve(sockets=[sock])

@@ -78,6 +78,11 @@ class RunConfig:
                 hint = " (quote it: YAML reads it as a number)" if isinstance(
                     value, (int, float)) and not isinstance(value, bool) else ""
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}{hint}")
+        # The run's folder is output_dir/name: a name with a separator, or "." / "..",
+        # would write somewhere else (another run's folder, or above output_dir).
+        if self.name in (".", "..") or "/" in self.name or "\\" in self.name:
+            raise ValueError(f"name must be a folder name (no '/', '\\', '.' or '..'), "
+                             f"got {self.name!r}")
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"model must be a model folder (a string) or null, "
                              f"got {self.model!r}")
@@ -127,8 +132,9 @@ def load_run_config(path: str | Path, **overrides: Any) -> RunConfig:
     ``agent`` and ``engine`` (with ``engine.spec``) are nested mappings. Unknown
     keys raise ValueError naming them."""
     text = Path(path).read_text()
+    is_yaml = Path(path).suffix.lower() in (".yaml", ".yml")  # (config.YAML is YAML too)
     try:
-        raw = yaml.safe_load(text) if str(path).endswith((".yaml", ".yml")) else json.loads(text)
+        raw = yaml.safe_load(text) if is_yaml else json.loads(text)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not valid YAML/JSON: {exc}") from None
     if raw is None:
@@ -305,13 +311,15 @@ async def run_rollout(
     run_dir.mkdir(parents=True, exist_ok=True)
     own = replicas is None
     reps = make_replicas(cfg, model_dir) if replicas is None else dict(replicas)
-    for r in reps.values():
-        r.start()
-    pool = task_pool(cfg)
     summaries: list[StepSummary] = []
     bounds: list[tuple[float, float]] = []
     every: list[Trajectory] = []
     try:
+        # (in the try: a replica that fails to start, or a task pool that cannot be
+        # drawn, must not leave the replicas already started running)
+        for r in reps.values():
+            r.start()
+        pool = task_pool(cfg)
         for step in range(cfg.steps):
             tasks = step_tasks(pool, cfg.tasks_per_step, cfg.seed, step)
             for r in reps.values():

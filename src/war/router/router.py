@@ -85,8 +85,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if not self.health_interval_s > 0:
-            raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        if not 0 < self.health_interval_s < math.inf:  # (inf: down replicas never re-checked)
+            raise ValueError(f"health_interval_s must be a finite number > 0, got "
+                             f"{self.health_interval_s}")
         if not 0 < self.health_timeout_s < math.inf:
             raise ValueError(f"health_timeout_s must be a finite number > 0, got "
                              f"{self.health_timeout_s}")

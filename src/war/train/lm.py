@@ -207,7 +207,11 @@ def train_lm(
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        with torch.random.fork_rng(devices=[]):  # the caller's global RNG is left as it was
+        # The caller's global RNGs are left as they were: the CPU's, and those of the
+        # CUDA devices the model is on (dropout there draws from theirs).
+        cuda = sorted({p.device.index or 0 for p in model.parameters()
+                       if p.device.type == "cuda"})
+        with torch.random.fork_rng(devices=cuda):
             return _train(model, stream, cfg, log, clock, mask, starts)
     finally:
         model.eval()  # also when training fails (a non-finite loss, a failing ``log``)
