@@ -16,6 +16,7 @@ step's tokens included; ``draft_tokens`` is how many of ``batch_tokens`` are dra
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,11 +50,12 @@ class LinearCost:
     name: str = "linear"
 
     def __post_init__(self) -> None:
-        if not self.intercept_s > 0:
-            raise ValueError(f"intercept_s must be > 0, got {self.intercept_s}")
+        # (an infinite coefficient makes every step last forever)
+        if not 0 < self.intercept_s < math.inf:
+            raise ValueError(f"intercept_s must be > 0 and finite, got {self.intercept_s}")
         for f in ("per_token_s", "per_context_token_s", "per_seq_s"):
-            if not getattr(self, f) >= 0:
-                raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
+            if not 0 <= getattr(self, f) < math.inf:
+                raise ValueError(f"{f} must be >= 0 and finite, got {getattr(self, f)}")
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise ValueError(f"kv_tokens must be >= 1, got {self.kv_tokens}")
 
@@ -153,8 +155,8 @@ class RooflineCost:
             if not 0.0 < getattr(self, f) <= 1.0:
                 raise ValueError(f"{f} must be in (0, 1], got {getattr(self, f)}")
         for f in ("overhead_s", "per_seq_overhead_s", "all_reduce_latency_s"):
-            if not getattr(self, f) >= 0.0:
-                raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
+            if not 0.0 <= getattr(self, f) < math.inf:
+                raise ValueError(f"{f} must be >= 0 and finite, got {getattr(self, f)}")
         if self.kv_capacity_tokens() < 1:
             raise ValueError(f"{self.model} does not fit {self.tp} x {self.accelerator} at "
                              f"gpu_memory_utilization {self.gpu_memory_utilization}")

@@ -28,7 +28,7 @@ from war.sim.acceptance import AcceptanceTable, record_acceptance
 from war.sim.costs import CostModel, LinearCost, RooflineCost
 from war.sim.drafter import CachedDrafter, Drafter
 from war.sim.profile import ProfileCost, load_cost_curve
-from war.sim.replica import ReplicaConfig
+from war.sim.replica import ReplicaConfig, kv_blocks
 from war.sim.simulator import SimConfig, Simulator
 from war.sim.synthetic import SyntheticConfig, synthetic_workload
 from war.sim.workload import LatencyModel, TraceSet, Workload, build_trace_steps
@@ -62,9 +62,13 @@ class Experiment:
     plot_load: float | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ValueError(f"name must be a string, got {self.name!r}")
         if not self.configs:
             raise ValueError("an experiment needs at least one configuration")
         for name, c in self.configs.items():
+            if not isinstance(name, str):  # (it names rows and plot files)
+                raise ValueError(f"configuration names must be strings, got {name!r}")
             if not isinstance(c, Mapping) or "policy" not in c:
                 raise ValueError(f"configuration {name!r} needs a policy")
         check_loads(self.loads, "loads")
@@ -139,14 +143,19 @@ def build_cost(spec: Mapping[str, Any], base_dir: Path) -> CostModel:
     if kind == "profile":
         if "curve" not in args:
             raise ValueError("cost: a profile needs a curve (a cost_curve JSON file)")
-        curve = base_dir / str(args.pop("curve"))
+        name = args.pop("curve")
         context, kv_tokens = args.pop("context", None), args.pop("kv_tokens", None)
         if args:
             raise ValueError(f"cost: unknown profile setting(s) {sorted(args)}; "
                              "known: ['context', 'curve', 'kind', 'kv_tokens']")
+        _check_value("cost.curve", name, str)
         _check_value("cost.context", context, int | None)
         _check_value("cost.kv_tokens", kv_tokens, int | None)
-        return ProfileCost.fit(load_cost_curve(curve, context), kv_tokens)
+        if context is not None and context < 0:
+            raise ValueError(f"cost.context must be >= 0, got {context}")
+        if kv_tokens is not None and kv_tokens < 1:
+            raise ValueError(f"cost.kv_tokens must be >= 1, got {kv_tokens}")
+        return ProfileCost.fit(load_cost_curve(base_dir / name, context), kv_tokens)
     raise ValueError(f"unknown cost model kind {kind!r}")
 
 
@@ -203,10 +212,11 @@ def check_experiment(exp: Experiment) -> None:
     setting is one ValueError before anything runs, not a failure in the middle of a
     sweep. What needs the traces (enough trials for the group size) is checked by
     ``check_workloads``."""
-    build_cost(exp.cost, exp.base_dir)
+    cost = build_cost(exp.cost, exp.base_dir)
     for name, config in exp.configs.items():
         try:
             sim = sim_config(exp, config)  # (refuses an unknown policy name)
+            kv_blocks(sim.replica, cost)
             try:
                 make_policy(sim.policy, **sim.policy_settings)
             except TypeError as e:
@@ -267,7 +277,8 @@ def check_loads(loads: Sequence[float], what: str) -> None:
     ``what`` otherwise."""
     if not loads:
         raise ValueError(f"{what}: at least one load is needed")
-    bad = [x for x in loads if not (isinstance(x, (int, float)) and math.isfinite(x) and x > 0)]
+    bad = [x for x in loads if isinstance(x, bool) or not (
+        isinstance(x, (int, float)) and math.isfinite(x) and x > 0)]
     if bad:
         raise ValueError(f"{what} must be positive finite numbers, got {bad}")
 

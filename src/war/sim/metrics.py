@@ -288,7 +288,9 @@ def work_time(m: StepMetrics, prefill_tokens: int, cost: CostModel, kv_tokens: i
     cap, b, ctx = _best_batch(cost, tau, k, mean, kv_tokens, max_num_seqs,
                               shared_sum / m.passes, shared_min)
     prefill = prefill_time_bound(cost, b, k, ctx, chunk, prefill_tokens, m.passes / b)
-    return (m.generated / cap + prefill) / num_replicas
+    # (a step whose turns all have empty responses generates nothing: cap is 0 then)
+    generate = m.generated / cap if m.generated else 0.0
+    return (generate + prefill) / num_replicas
 
 
 @dataclass
@@ -335,11 +337,15 @@ class SimResult:
         passes = sum(m.passes for m in s)
         drafted = sum(m.drafted for m in s)
         prompt = sum(m.prompt_tokens for m in s)
+        # A step whose every trajectory was left out (beyond the KV) has neither a
+        # makespan nor a bound: the means are over the steps that ran something.
+        ran = [m for m in s if m.trajectories]
+        bounded = [m for m in ran if m.lower_bound > 0]
         return {
             "throughput": gen / span if span > 0 else 0.0,
-            "makespan_s": span / len(s) if s else 0.0,
-            "lower_bound_ratio": (sum(m.makespan / m.lower_bound for m in s) / len(s)
-                                  if s and all(m.lower_bound > 0 for m in s) else 0.0),
+            "makespan_s": span / len(ran) if ran else 0.0,
+            "lower_bound_ratio": (sum(m.makespan / m.lower_bound for m in bounded)
+                                  / len(bounded) if bounded else 0.0),
             "prefix_hit_rate": sum(m.cached_tokens for m in s) / prompt if prompt else 0.0,
             "tokens_per_step": gen / passes if passes else 0.0,
             "acceptance_rate": sum(m.accepted for m in s) / drafted if drafted else 0.0,

@@ -6,6 +6,7 @@ backend, files only). Does not know how the rows were produced.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ def throughput_vs_load(rows: Sequence[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("trajectories per replica (RL step)")
     ax.set_ylabel("throughput (generated tokens / s)")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:  # (none on empty data: matplotlib warns)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -42,7 +44,8 @@ def makespan_cdf(rows: Sequence[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("trajectory completion time since step start (s)")
     ax.set_ylabel("fraction of trajectories done")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:  # (none on empty data: matplotlib warns)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -68,6 +71,11 @@ def fleet_timeline(row: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _file_part(name: str) -> str:
+    """``name`` as part of a file name: a configuration may be called anything."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_"
+
+
 def write_plots(rows: Sequence[dict[str, Any]], folder: Path) -> list[Path]:
     """Every plot the rows allow, into ``folder``; returns the files written."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -79,7 +87,7 @@ def write_plots(rows: Sequence[dict[str, Any]], folder: Path) -> list[Path]:
         makespan_cdf(detailed, out[-1])
     for r in detailed:
         if r.get("timeline"):
-            p = folder / f"timeline_{r['config']}.png"
+            p = folder / f"timeline_{_file_part(str(r['config']))}.png"
             fleet_timeline(r, p)
             out.append(p)
     return out

@@ -54,8 +54,8 @@ class CurvePoint:
     def __post_init__(self) -> None:
         if self.batch < 1 or self.draft_tokens < 0 or self.context < 0:
             raise ValueError(f"bad cost-curve shape {self}")
-        if not self.step_ms > 0:
-            raise ValueError(f"step_ms must be > 0, got {self.step_ms}")
+        if not 0 < self.step_ms < math.inf:
+            raise ValueError(f"step_ms must be > 0 and finite, got {self.step_ms}")
 
     def shape(self) -> tuple[int, int, int, int]:
         """(num_seqs, batch_tokens, context_tokens, draft_tokens) of the step."""
@@ -75,26 +75,64 @@ def features(num_seqs: int, batch_tokens: int, context_tokens: int,
 def load_cost_curve(path: str | Path, context: int | None = None) -> list[CurvePoint]:
     """The points of a cost-curve JSON (``benchmarks/engine/bench_load.py``'s report or
     ``benchmarks/sim/measure_cost_curve.py``'s). ``context`` applies to records
-    without their own (default: the report's ``config.cost_context``)."""
-    report = json.loads(Path(path).read_text(encoding="utf-8"))
-    return parse_cost_curve(report, context)
+    without their own (default: the report's ``config.cost_context``). A file that is
+    not there is a FileNotFoundError, one that is not such a report a ValueError, both
+    naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"cost curve file not found: {p}" if not p.exists()
+                                else f"cost curve file {p} is not a file")
+    try:
+        report = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"cost curve {p}: not a valid JSON file: {e}") from None
+    try:
+        return parse_cost_curve(report, context)
+    except ValueError as e:
+        raise ValueError(f"cost curve {p}: {e}") from None
 
 
-def parse_cost_curve(report: dict[str, Any], context: int | None = None) -> list[CurvePoint]:
+def parse_cost_curve(report: Any, context: int | None = None) -> list[CurvePoint]:
+    if not isinstance(report, dict):
+        raise ValueError(f"a cost-curve report is a JSON object, got {type(report).__name__}")
     records = report.get("cost_curve")
     if not isinstance(records, list) or not records:
         raise ValueError("the report has no cost_curve records")
     default = context
     if default is None:
-        default = (report.get("config") or {}).get("cost_context")
+        config = report.get("config") or {}
+        if not isinstance(config, dict):
+            raise ValueError(f"the report's config must be an object, got {config!r}")
+        default = config.get("cost_context")
     points = []
-    for r in records:
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise ValueError(f"cost_curve record {i} must be an object, got {r!r}")
+        missing = [k for k in ("batch", "draft_tokens", "step_ms") if k not in r]
+        if missing:
+            raise ValueError(f"cost_curve record {i} has no {', '.join(missing)}")
         ctx = r.get("context", default)
         if ctx is None:
             raise ValueError("a cost-curve record has no context; pass context=")
-        points.append(CurvePoint(int(r["batch"]), int(r["draft_tokens"]), int(ctx),
-                                 float(r["step_ms"])))
+        # (int() would silently truncate a fractional shape, or overflow on inf)
+        shape = {k: _whole(f"cost_curve record {i}: {k}", v) for k, v in
+                 (("batch", r["batch"]), ("draft_tokens", r["draft_tokens"]),
+                  ("context", ctx))}
+        step_ms = r["step_ms"]
+        if isinstance(step_ms, bool) or not isinstance(step_ms, (int, float)):
+            raise ValueError(f"cost_curve record {i}: step_ms must be a number, "
+                             f"got {step_ms!r}")
+        points.append(CurvePoint(shape["batch"], shape["draft_tokens"], shape["context"],
+                                 float(step_ms)))
     return points
+
+
+def _whole(name: str, value: Any) -> int:
+    """``value`` as an int if it is a whole number, else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -118,6 +156,8 @@ class ProfileCost:
             raise ValueError(f"coefficients must be finite and not all zero, got {coef!r}")
         if isinstance(self.knot, bool) or not isinstance(self.knot, int) or self.knot < 0:
             raise ValueError(f"knot must be an int >= 0, got {self.knot!r}")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ValueError(f"kv_tokens must be >= 1, got {self.kv_tokens}")
         object.__setattr__(self, "coefficients", coef)
 
     def step_time(self, num_seqs: int, batch_tokens: int, context_tokens: int,

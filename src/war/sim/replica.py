@@ -45,9 +45,23 @@ from war.sim.sequence import SimSeq
 from war.sim.settings import ReplicaConfig, ReplicaStats
 from war.sim.speculation import Speculation
 
-__all__ = ["ReplicaConfig", "ReplicaStats", "SimReplica"]
+__all__ = ["ReplicaConfig", "ReplicaStats", "SimReplica", "kv_blocks"]
 
 _KEY = attrgetter("key")
+
+
+def kv_blocks(config: ReplicaConfig, cost: CostModel) -> int:
+    """A replica's KV blocks: ``num_kv_blocks``, else as many as the cost model's KV
+    capacity holds; ValueError when that is unknown or less than one block."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    cap = cost.kv_capacity_tokens()
+    if cap is None:
+        raise ValueError(f"{cost.name} does not know KV capacity: set num_kv_blocks")
+    if cap < config.block_size:
+        raise ValueError(f"{cost.name}'s KV capacity ({cap} tokens) is less than one "
+                         f"block (block_size {config.block_size})")
+    return cap // config.block_size
 
 
 class SimReplica:
@@ -59,13 +73,7 @@ class SimReplica:
         self.spec = Speculation(drafter, policy, config.spec_mode, config.max_spec_tokens,
                                 config.spec_interval)
         self.drafter = self.spec.drafter
-        blocks = config.num_kv_blocks
-        if blocks is None:
-            cap = cost.kv_capacity_tokens()
-            if cap is None:
-                raise ValueError(f"{cost.name} does not know KV capacity: set num_kv_blocks")
-            blocks = cap // config.block_size
-        self.kv = PrefixKV(blocks, config.block_size)
+        self.kv = PrefixKV(kv_blocks(config, cost), config.block_size)
         self.waiting: list[tuple[tuple[float, int], SimSeq]] = []
         self.running: list[SimSeq] = []
         self.stats = ReplicaStats()

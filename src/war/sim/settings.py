@@ -39,6 +39,10 @@ class ReplicaConfig:
                   "max_coalesced_steps", "coalesce_max_seqs"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+        # (the spec policy refuses it too, but only when a run builds its replicas)
+        if not 0 <= self.prefill_token_value < float("inf"):
+            raise ValueError(f"prefill_token_value must be >= 0 and finite, "
+                             f"got {self.prefill_token_value}")
         if not 0 <= self.kv_hold_s < float("inf"):
             raise ValueError(f"kv_hold_s must be >= 0, got {self.kv_hold_s}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

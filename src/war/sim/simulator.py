@@ -79,9 +79,14 @@ class SimConfig:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        for f in ("load_report_interval_s", "train_s", "timeline_s"):
-            if not getattr(self, f) >= 0:
-                raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
+        if not self.load_report_interval_s >= 0:  # (inf: the first report only)
+            raise ValueError(f"load_report_interval_s must be >= 0, "
+                             f"got {self.load_report_interval_s}")
+        # (an infinite train_s starts the next RL step never, an infinite bin puts the
+        # whole run at time nan)
+        for f in ("train_s", "timeline_s"):
+            if not 0 <= getattr(self, f) < float("inf"):
+                raise ValueError(f"{f} must be >= 0 and finite, got {getattr(self, f)}")
         if self.replica.max_spec_tokens > self.spec.max_spec_tokens:
             raise ValueError("replica.max_spec_tokens exceeds spec.max_spec_tokens")
 

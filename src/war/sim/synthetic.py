@@ -57,14 +57,24 @@ class SyntheticConfig:
             raise ValueError(f"num_tasks must be >= 1, got {self.num_tasks}")
         if not 0.0 <= self.divergence <= 1.0:
             raise ValueError(f"divergence must be in [0, 1], got {self.divergence}")
+        if self.system_tokens < 0:
+            raise ValueError(f"system_tokens must be >= 0, got {self.system_tokens}")
+        # (an infinite median or a nan sigma is a token count no draw can round)
         for f in ("task_tokens_median", "turns_median", "response_median",
-                  "tool_tokens_median", "tool_median_s", "max_tool_s"):
-            if not getattr(self, f) > 0:
-                raise ValueError(f"{f} must be > 0, got {getattr(self, f)}")
+                  "tool_tokens_median", "tool_median_s"):
+            if not 0 < getattr(self, f) < math.inf:
+                raise ValueError(f"{f} must be > 0 and finite, got {getattr(self, f)}")
+        if not self.max_tool_s > 0:
+            raise ValueError(f"max_tool_s must be > 0, got {self.max_tool_s}")
+        for f in ("turns_sigma", "response_sigma", "tool_tokens_sigma", "sample_sigma",
+                  "tool_sigma"):
+            if not 0 <= getattr(self, f) < math.inf:
+                raise ValueError(f"{f} must be >= 0 and finite, got {getattr(self, f)}")
 
 
 def _lognormal(rng: np.random.Generator, median: float, sigma: float) -> float:
-    return float(median * math.exp(sigma * rng.standard_normal()))
+    # (clipped where math.exp would overflow; every draw is capped by a max_* setting)
+    return float(median * math.exp(min(sigma * rng.standard_normal(), 700.0)))
 
 
 def _tokens(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
@@ -98,7 +108,7 @@ def _task(cfg: SyntheticConfig, task: int, system: Tokens) -> tuple[Tokens, list
 def _sample(cfg: SyntheticConfig, rng: np.random.Generator, prompt: Tokens,
             resp: list[np.ndarray], tool: list[np.ndarray], base_turns: int
             ) -> tuple[SimTurn, ...]:
-    m = math.exp(cfg.sample_sigma * rng.standard_normal())
+    m = math.exp(min(cfg.sample_sigma * rng.standard_normal(), 700.0))
     n = max(1, min(cfg.max_turns, round(base_turns * m)))
     turns = []
     for t in range(n):

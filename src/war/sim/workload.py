@@ -99,12 +99,15 @@ class LatencyModel:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for f in ("tool_median_s", "user_median_s", "max_s"):
-            if not getattr(self, f) > 0:
-                raise ValueError(f"{f} must be > 0, got {getattr(self, f)}")
+        # (an infinite median would make every tool call last forever)
+        for f in ("tool_median_s", "user_median_s"):
+            if not 0 < getattr(self, f) < math.inf:
+                raise ValueError(f"{f} must be > 0 and finite, got {getattr(self, f)}")
+        if not self.max_s > 0:
+            raise ValueError(f"max_s must be > 0, got {self.max_s}")
         for f in ("tool_sigma", "user_sigma"):
-            if not getattr(self, f) >= 0:
-                raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
+            if not 0 <= getattr(self, f) < math.inf:
+                raise ValueError(f"{f} must be >= 0 and finite, got {getattr(self, f)}")
 
     def draw(self, roles: Sequence[str], key: str) -> float:
         total = 0.0
@@ -113,8 +116,14 @@ class LatencyModel:
                 continue
             median, sigma = ((self.tool_median_s, self.tool_sigma) if role == "tool"
                              else (self.user_median_s, self.user_sigma))
-            total += min(self.max_s, median * math.exp(sigma * _normal(f"{self.seed}:{key}:{i}")))
+            # (the exponent is clipped where math.exp would overflow: a draw that is
+            # capped at max_s anyway)
+            z = min(sigma * _normal(f"{self.seed}:{key}:{i}"), _MAX_EXP)
+            total += min(self.max_s, median * math.exp(z))
         return total
+
+
+_MAX_EXP = 700.0  # math.exp overflows just above 709
 
 
 def _normal(key: str) -> float:
