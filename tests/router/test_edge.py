@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import select
 import socket
 import threading
@@ -455,6 +456,10 @@ def test_config_validation() -> None:
                 {"max_queued": 0}):
         with pytest.raises(ValueError):
             EdgeConfig(**bad)
+    for name in ("max_body_bytes", "max_queued"):  # (a NaN would lift the limit)
+        for value in (math.nan, 1.5, True):
+            with pytest.raises(ValueError, match=f"{name} must be an int"):
+                EdgeConfig(**{name: value})  # type: ignore[arg-type]
 
 
 def test_the_router_app_on_the_edge() -> None:
@@ -547,7 +552,8 @@ def test_the_router_answers_before_its_bookkeeping_and_survives_its_failure(
 
 class EarlyAnswer:
     """A fast route that answers through ``respond``, then keeps working until
-    ``release`` is set (``mode``: ``early``, ``twice`` or ``never``)."""
+    ``release`` is set (``mode``: ``early``, ``twice``, ``never`` or ``fail``: raises
+    before answering)."""
 
     def __init__(self, mode: str = "early") -> None:
         self.mode = mode
@@ -556,6 +562,8 @@ class EarlyAnswer:
 
     async def handle(self, body: bytes, headers: Mapping[str, str],
                      respond: Respond) -> tuple[int, bytes] | None:
+        if self.mode == "fail":
+            raise RuntimeError("the handler failed")
         if self.mode != "never":
             respond(200, orjson.dumps({"body": body.decode()}))
         if self.mode == "twice":
@@ -605,6 +613,17 @@ def test_a_fast_route_answering_twice_or_never_closes_the_connection() -> None:
             # the server goes on serving other connections
             assert b"HTTP/1.1 200" in raw(p, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
                                            wait_close=False)
+
+
+def test_a_fast_route_that_fails_or_never_answers_gets_a_500() -> None:
+    for mode in ("fail", "never"):
+        handler = EarlyAnswer(mode)
+        handler.release.set()
+        with running(side_app([]), {("POST", "/v1/completions"): handler.route()}) as (_, p, _e):
+            out = raw(p, post("/v1/completions", b"x"))  # closed by the server
+            assert out.startswith(b"HTTP/1.1 500 "), (mode, out)
+            assert out.count(b"HTTP/1.1") == 1 and b"connection: close" in out
+            assert orjson.loads(out.split(b"\r\n\r\n", 1)[1])["error"]["message"]
 
 
 @pytest.mark.parametrize("keep_alive", [True, False])

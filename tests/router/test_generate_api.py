@@ -76,6 +76,7 @@ def test_defaults_batches_and_per_prompt_settings() -> None:
     ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob"),
     ({"input_ids": [1], "rid": 3}, "rid"),
     ({"input_ids": [[1], [2]], "rid": ["only-one"]}, "rid"),
+    ({"input_ids": [[1], [2]], "rid": ["same", "same"]}, "rid"),
     ({"input_ids": [1], "priority": "high"}, "priority"),
     ({"input_ids": [1], "sampling_params": [1]}, "sampling_params"),
     ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),

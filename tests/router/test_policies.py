@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -110,6 +111,9 @@ def test_least_load_memory_is_bounded() -> None:
     assert len(p._sticky) == 3
     with pytest.raises(ValueError, match="max_trajectories"):
         LeastLoadConfig(max_trajectories=0)
+    for value in (math.nan, 2.5, True):
+        with pytest.raises(ValueError, match="max_trajectories must be an int"):
+            LeastLoadConfig(max_trajectories=value)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ prefix tree
@@ -307,6 +311,13 @@ def test_cache_aware_config_validation() -> None:
         CacheAwareConfig(cache_threshold=1.5)
     with pytest.raises(ValueError, match="balance_rel_threshold"):
         CacheAwareConfig(balance_rel_threshold=0.5)
+    # a NaN passes every comparison: the bounds and the imbalance rule would be off
+    for name in ("max_tree_tokens", "max_trajectories"):
+        for value in (math.nan, 2.5, True):
+            with pytest.raises(ValueError, match=f"{name} must be an int"):
+                CacheAwareConfig(**{name: value})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="balance_abs_threshold"):
+        CacheAwareConfig(balance_abs_threshold=math.nan)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ war policy

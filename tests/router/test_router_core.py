@@ -519,3 +519,82 @@ def test_the_policys_priority_goes_only_to_replicas_that_take_it() -> None:
     assert to_a.priority == 7.0  # no attribute: the policy's priority is sent
     assert to_b.priority == 1.0 and to_b == GenRequest("q1", (1, 2), SP, trajectory_id="t1",
                                                        priority=1.0)
+
+
+def test_a_policy_choosing_a_down_replica_is_told_the_request_failed() -> None:
+    r, reps, _policy = router("a", "b")
+
+    class Stray(Sticky):
+        def select(self, request: GenRequest, replicas: list[ReplicaView],
+                   now: float) -> Decision:
+            return Decision("elsewhere")
+
+    stray = Stray()
+    r.policy = stray
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="not a healthy replica"):
+            await r.generate(GenRequest("q", (1,), SP))
+
+    asyncio.run(main())
+    # the policy may have counted the request as placed: it hears that it failed
+    assert stray.completed == [("elsewhere", False)]
+    assert r.stats.failed == 1 and r.stats.completed == 0
+    assert all(not rep.requests for rep in reps.values())
+
+
+def test_a_continuing_turn_whose_context_is_lost_counts_as_failed() -> None:
+    r, _reps, _ = router("a", "b")
+
+    async def main() -> None:
+        with pytest.raises(UnknownTrajectory):  # neither the router nor a replica holds it
+            await r.generate(GenRequest("q", (1,), SP, trajectory_id="zz", continues=True))
+
+    asyncio.run(main())
+    assert r.stats.requests == 1 and r.stats.failed == 1
+
+
+def test_close_waits_for_the_background_work_it_cancels() -> None:
+    reps: dict[str, Echo] = {"a": Echo("a"), "b": Echo("b")}
+    closed: list[str] = []
+
+    class Slow(Echo):
+        async def add_history(self, items: Sequence[tuple[Sequence[int], str | None]]
+                              ) -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                closed.append("history")
+
+        async def close(self) -> None:
+            closed.append("backend")
+
+    reps["b"] = Slow("b")
+    r = Router(reps, Sticky(), RouterConfig(history_flush_s=0), clock=lambda: 0.0)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        await r.generate(GenRequest("q", (1, 2), SP, trajectory_id="t", group_id="g"))
+        await asyncio.sleep(0.01)  # the history call to b is under way
+        tasks = set(r._background)
+        assert tasks
+        await r.close()
+        # nothing the router started runs past its close, nor after its backends close
+        assert all(t.done() for t in tasks)
+        assert closed == ["history", "backend"]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("field", ["max_attempts", "history_batch", "history_lead_in",
+                                   "max_trajectories", "max_context_tokens"])
+@pytest.mark.parametrize("bad", [math.nan, 2.5, True, "8"])
+def test_integer_settings_must_be_ints(field: str, bad: object) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be an int"):
+        RouterConfig(**{field: bad})  # type: ignore[arg-type]
+
+
+def test_history_flush_s_must_be_finite() -> None:
+    for bad in (math.inf, math.nan, -0.5):
+        with pytest.raises(ValueError, match="history_flush_s must be a finite number"):
+            RouterConfig(history_flush_s=bad)
+    assert RouterConfig(history_flush_s=0).history_flush_s == 0

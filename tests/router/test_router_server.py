@@ -200,6 +200,7 @@ def test_several_prompts_are_several_choices() -> None:
     ({"prompt": [1], "max_tokens": 1, "bogus": 1}, "unknown field 'bogus'"),
     ({"prompt": [1], "max_tokens": "many"}, "max_tokens"),
     ({"prompt": [1], "max_tokens": 1, "continues": True}, "continues needs a trajectory_id"),
+    ({"prompt": [[1], [2]], "max_tokens": 1, "trajectory_id": "t"}, "takes one prompt"),
 ])
 def test_bad_bodies_are_400_and_the_router_keeps_serving(body: dict[str, Any],
                                                          needle: str) -> None:

@@ -198,3 +198,38 @@ def test_works_as_a_ray_actor() -> None:
         assert status["total_inflight"] == 0 and status["active_servers"] == 2
     finally:
         ray.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["war", "cache_aware"])
+def test_requests_without_prompt_ids_are_placed_by_tree_policies(policy: str) -> None:
+    """The placeholder token of a request with no prompt fits the prefix trees' int32
+    for every trajectory id (half of them hash past 2**31)."""
+    router = WarVerlRouter(servers(2), {**YAML, "policy": policy})
+    for i in range(16):
+        sid, _ = router.acquire_server(f"t{i}")
+        router.release_server(sid, request_id=f"t{i}")
+    assert router.acquired == 16 and router.get_total_inflight() == 0
+
+
+class Stray(Recording):
+    """Chooses a server that is not registered."""
+
+    def select(self, request: GenRequest, replicas: list[ReplicaView], now: float) -> Decision:
+        self.selected.append(request)
+        return Decision("nowhere:1")
+
+
+def test_a_failed_acquire_leaves_no_trace() -> None:
+    policy = Stray()
+    router = WarVerlRouter(servers(2), dict(YAML), policy_factory=lambda: policy)
+    with pytest.raises(RuntimeError, match="not a registered server"):
+        router.acquire_server("t1", prompt_ids=[1, 2])
+    # the policy is told its placement failed; the trajectory has no turn counted
+    assert policy.completed == [("t1#0", "nowhere:1", None)]
+    with pytest.raises(ValueError):
+        router.acquire_server("t1", prompt_ids=["x"])  # type: ignore[list-item]
+    assert router.get_status()["trajectories"] == 0
+    good = Recording()
+    router.policy = good
+    router.acquire_server("t1", prompt_ids=[1, 2])
+    assert good.selected[-1].request_id == "t1#0"

@@ -79,6 +79,10 @@ class EdgeConfig:
     max_queued: int = 16
 
     def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_queued"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):  # (a NaN: no limit)
+                raise ValueError(f"{name} must be an int, got {value!r}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         for name in ("keepalive_s", "read_timeout_s", "shutdown_grace_s"):
@@ -353,10 +357,18 @@ class _Connection(asyncio.Protocol):
             # a stop that came meanwhile makes this the last answer: it says so
             self._write(json_response(status, body, keep_alive and not self.closing))
 
-        out = await route.handle(request.body, headers, respond)
+        try:
+            out = await route.handle(request.body, headers, respond)
+        except Exception:
+            if not answered:  # the client learns it failed (as from the ASGI side)
+                self._write(json_response(500, error_json(500, "internal server error"),
+                                          False))
+            raise
         if out is not None:
             respond(*out)
         elif not answered:
+            self._write(json_response(500, error_json(500, "the route sent no response"),
+                                      False))
             raise RuntimeError("a fast route returned without answering")
 
     async def _answer_asgi(self, request: _Request, keep_alive: bool) -> None:

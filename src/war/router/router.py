@@ -83,6 +83,12 @@ class RouterConfig:
     max_context_tokens: int = 32_000_000
 
     def __post_init__(self) -> None:
+        for name in ("max_attempts", "history_batch", "history_lead_in", "max_trajectories",
+                     "max_context_tokens"):
+            value = getattr(self, name)
+            # (a NaN passes every comparison below: unbounded tables, or a crash later)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int, got {value!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if not 0 < self.health_interval_s < math.inf:  # (inf: down replicas never re-checked)
@@ -95,8 +101,9 @@ class RouterConfig:
             raise ValueError(f"max_trajectories must be >= 1, got {self.max_trajectories}")
         if self.max_context_tokens < 0:
             raise ValueError(f"max_context_tokens must be >= 0, got {self.max_context_tokens}")
-        if not self.history_flush_s >= 0:
-            raise ValueError(f"history_flush_s must be >= 0, got {self.history_flush_s}")
+        if not 0 <= self.history_flush_s < math.inf:  # (inf: a partial batch never sent)
+            raise ValueError(f"history_flush_s must be a finite number >= 0, got "
+                             f"{self.history_flush_s}")
         if self.history_lead_in < 0:
             raise ValueError(f"history_lead_in must be >= 0, got {self.history_lead_in}")
         if self.history_batch < 1:
@@ -201,8 +208,11 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
             self._health_task = None
-        for task in list(self._background):
+        tasks = list(self._background)
+        for task in tasks:
             task.cancel()
+        if tasks:  # (awaited: none may still run when the backends close)
+            await asyncio.gather(*tasks, return_exceptions=True)
         if close_backends:
             for r in self.replicas.values():
                 with contextlib.suppress(Exception):
@@ -256,6 +266,9 @@ class Router:
             name = decision.replica
             rep = self.replicas.get(name)
             if rep is None or not rep.healthy:
+                # the policy counts the request as placed there: it failed
+                self.policy.on_complete(request, None, name, self._clock())
+                self.stats.failed += 1
                 raise RuntimeError(f"policy {self.policy.name} chose {name!r}, which is not a "
                                    "healthy replica")
             if decision.migrated:
@@ -291,7 +304,8 @@ class Router:
                 try:  # (``_send`` inlined: one coroutine less per request)
                     result = await rep.backend.generate(send)
                 except UnknownTrajectory:
-                    if full is None:
+                    if full is None:  # the context is lost: the client resends it
+                        self.stats.failed += 1
                         raise
                     result = await self._resend_whole(rep, send, full)
             except ReplicaUnavailable as exc:

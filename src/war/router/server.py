@@ -221,6 +221,11 @@ def build_requests(body: CompletionRequest, headers: Mapping[str, str],
     rid, trajectory_id, group_id, priority = _routing(
         headers, body.request_id, body.trajectory_id, body.group_id, body.priority)
     prompts = _prompts(body.prompt)
+    if trajectory_id is not None and len(prompts) > 1:
+        # as the replica refuses it: a trajectory is one line of turns, whose context
+        # (held here, and on its replica) each prompt would claim
+        raise APIError(400, f"a request of a trajectory (trajectory_id {trajectory_id!r}) "
+                       f"takes one prompt, got {len(prompts)}", param="prompt")
     try:
         sampling = _sampling(1.0 if body.temperature is None else body.temperature,
                              1.0 if body.top_p is None else body.top_p, max(top_k, 0),
@@ -477,6 +482,10 @@ def build_generate_requests(data: Any, headers: Mapping[str, str],
     if isinstance(rids, list):
         if len(rids) != len(prompts) or not all(isinstance(r, str) and r for r in rids):
             raise APIError(400, "rid must be one non-empty string per prompt", param="rid")
+        if len(set(rids)) != len(rids):  # (requests in flight are told apart by id)
+            dup = next(r for i, r in enumerate(rids) if r in rids[:i])
+            raise APIError(400, f"rid must name each prompt once, {dup!r} is repeated",
+                           param="rid")
     elif rids is not None and not (isinstance(rids, str) and rids):
         raise APIError(400, f"rid must be a non-empty string, got {rids!r}", param="rid")
     priority = data.get("priority")

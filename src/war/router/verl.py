@@ -151,41 +151,47 @@ class WarVerlRouter:
         with self._lock:
             if not self._servers:
                 raise RuntimeError(NO_SERVERS)
-            request = self._request(str(request_id), prompt_ids)
+            trajectory = str(request_id)
+            request, turns = self._request(trajectory, prompt_ids)
             views = [ReplicaView(name=s, num_requests=len(self._leases[s]),
                                  tokens_in_flight=self._tokens[s]) for s in self._servers]
             decision = self.policy.select(request, views, self._clock())
             sid = decision.replica
             if sid not in self._servers:
+                # the policy counts the request as placed: it failed
+                self.policy.on_complete(request, None, sid, self._clock())
                 raise RuntimeError(f"policy {self.policy.name} chose {sid!r}, which is not a "
                                    "registered server")
             if decision.migrated:
                 self.migrations += 1
             size = len(request.prompt_ids) + request.sampling.max_tokens
-            lease = _Lease(next(self._keys), sid, str(request_id), request, size,
+            lease = _Lease(next(self._keys), sid, trajectory, request, size,
                            self._generation)
             self._leases[sid][lease.key] = lease
             self._tokens[sid] += size
             self._by_trajectory.setdefault(lease.trajectory, OrderedDict())[lease.key] = lease
-            turns = self._sticky.get(lease.trajectory, ("", 0))[1]
-            self._sticky[lease.trajectory] = (sid, turns)
-            self._sticky.move_to_end(lease.trajectory)
+            # (counted only once placed: a failed acquire is not a turn)
+            self._sticky[trajectory] = (sid, turns)
+            self._sticky.move_to_end(trajectory)
+            while len(self._sticky) > self.config.max_trajectories:
+                self._sticky.popitem(last=False)
             self.acquired += 1
             return sid, self._servers[sid]
 
-    def _request(self, trajectory: str, prompt_ids: list[int] | None) -> GenRequest:
-        server, turns = self._sticky.get(trajectory, ("", 0))
-        self._sticky[trajectory] = (server, turns + 1)
-        self._sticky.move_to_end(trajectory)
-        while len(self._sticky) > self.config.max_trajectories:
-            self._sticky.popitem(last=False)
+    def _request(self, trajectory: str, prompt_ids: list[int] | None
+                 ) -> tuple[GenRequest, int]:
+        """The trajectory's next turn as a request, and its turn count after it (the
+        plugin's state is not changed: ``acquire_server`` records it once placed)."""
+        turns = self._sticky.get(trajectory, ("", 0))[1]
         if prompt_ids:
             prompt = tuple(int(t) for t in prompt_ids)
-        else:  # no content known: a token of its own (never a real id), no false sharing
-            prompt = (-1 - zlib.crc32(trajectory.encode()),)
-        return GenRequest(request_id=f"{trajectory}#{turns}", prompt_ids=prompt,
-                          sampling=SamplingParams(max_tokens=self.config.max_tokens),
-                          trajectory_id=trajectory)
+        else:  # no content known: a token of its own (never a real id), no false sharing;
+            # within int32 (the prefix trees' token type), so in [-2**31, -1]
+            prompt = (-1 - (zlib.crc32(trajectory.encode()) & 0x7FFF_FFFF),)
+        request = GenRequest(request_id=f"{trajectory}#{turns}", prompt_ids=prompt,
+                             sampling=SamplingParams(max_tokens=self.config.max_tokens),
+                             trajectory_id=trajectory)
+        return request, turns + 1
 
     def release_server(self, server_id: str, request_id: str | None = None) -> None:
         """A request placed on ``server_id`` ended. With ``request_id``, that

@@ -72,9 +72,13 @@ class CacheAwareConfig:
     max_trajectories: int = 100_000
 
     def __post_init__(self) -> None:
+        for name in ("max_tree_tokens", "max_trajectories"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):  # (a NaN: no bound)
+                raise ValueError(f"{name} must be an int, got {value!r}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
-        if self.balance_abs_threshold < 0:
+        if not self.balance_abs_threshold >= 0:  # (a NaN: never imbalanced)
             raise ValueError(
                 f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}")
         if not self.balance_rel_threshold >= 1.0:

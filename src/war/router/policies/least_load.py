@@ -29,6 +29,9 @@ class LeastLoadConfig:
     max_trajectories: int = 10_000
 
     def __post_init__(self) -> None:
+        value = self.max_trajectories
+        if isinstance(value, bool) or not isinstance(value, int):  # (a NaN: no bound)
+            raise ValueError(f"max_trajectories must be an int, got {value!r}")
         if self.max_trajectories < 1:
             raise ValueError(f"max_trajectories must be >= 1, got {self.max_trajectories}")
 
