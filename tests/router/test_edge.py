@@ -427,6 +427,35 @@ def test_stop_waits_for_requests_in_flight() -> None:
     assert results == [(200, "close"), (200, "close")]
 
 
+def test_stop_lets_cancelled_requests_clean_up_before_the_shutdown() -> None:
+    """A request still running after the grace period is cancelled, and its cleanup
+    (which may still call the app's state, e.g. the router) ends before the lifespan
+    shutdown closes that state."""
+    events: list[str] = []
+
+    async def handle(body: bytes, headers: Mapping[str, str],
+                     respond: Respond) -> tuple[int, bytes] | None:
+        events.append("request")
+        try:
+            await asyncio.sleep(30)
+        finally:
+            await asyncio.sleep(0.05)  # cleanup that awaits
+            events.append("request cleaned up")
+        return 200, b"{}"
+
+    route = FastRoute(handle, lambda: (413, b"{}"), lambda _h: None)
+    with running(side_app(events), {("POST", "/hang"): route},
+                 EdgeConfig(shutdown_grace_s=0.2)) as (h, p, _edge):
+        def call() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"http://{h}:{p}/hang", content=b"x", timeout=10)
+        thread = threading.Thread(target=call)
+        thread.start()
+        assert wait_for(lambda: "request" in events)
+    thread.join(10)
+    assert events == ["startup", "request", "request cleaned up", "shutdown"]
+
+
 def test_a_failing_lifespan_fails_the_start() -> None:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -456,6 +485,10 @@ def test_config_validation() -> None:
                 {"max_queued": 0}):
         with pytest.raises(ValueError):
             EdgeConfig(**bad)
+    for name in ("keepalive_s", "read_timeout_s", "shutdown_grace_s"):
+        for value in (math.inf, math.nan):  # (inf: a connection held forever)
+            with pytest.raises(ValueError, match=f"{name} must be a finite number > 0"):
+                EdgeConfig(**{name: value})
     for name in ("max_body_bytes", "max_queued"):  # (a NaN would lift the limit)
         for value in (math.nan, 1.5, True):
             with pytest.raises(ValueError, match=f"{name} must be an int"):

@@ -57,6 +57,11 @@ def test_constructed_as_verl_does() -> None:
         WarVerlRouter(servers(1), {**YAML, "max_tokens": 0})
     with pytest.raises(ValueError):
         WarVerlRouter(servers(1), {**YAML, "policy": "nonesuch"})
+    # (not a TypeError from deep inside dict(); the YAML's section named)
+    with pytest.raises(ValueError, match="router_kwargs must be a mapping"):
+        WarVerlRouter(servers(1), ["policy", "war"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="policy_kwargs must be a mapping"):
+        WarVerlRouter(servers(1), {**YAML, "policy_kwargs": [1, 2]})
 
 
 @pytest.mark.parametrize("policy", ["war", "cache_aware", "least_load"])

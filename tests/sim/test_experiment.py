@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from war.sim.experiment import Experiment, run_experiment
 
 
@@ -43,3 +45,8 @@ def test_cached_drafts_do_not_depend_on_the_loads_run_before() -> None:
     small = run_experiment(exp, loads=[2])["results"]
     assert _figures(both[0]) == _figures(small[0])
     assert both[0]["acceptance_table"]["positions"] < both[1]["acceptance_table"]["positions"]
+
+
+def test_unknown_configurations_are_refused_before_any_run() -> None:
+    with pytest.raises(ValueError, match=r"unknown configurations \['nope'\]"):
+        run_experiment(_cached_experiment(), configs=["war", "nope"])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import time
 from collections import deque
@@ -86,8 +87,10 @@ class EdgeConfig:
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         for name in ("keepalive_s", "read_timeout_s", "shutdown_grace_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            # (inf: an idle or stalled client would hold its connection forever)
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, "
+                                 f"got {getattr(self, name)}")
         if self.max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {self.max_queued}")
 
@@ -182,8 +185,10 @@ class _Connection(asyncio.Protocol):
         self.edge.connections.discard(self)
         if self.gone is not None and not self.gone.done():
             self.gone.set_result(None)
-        if self.task is not None:
-            self.task.cancel()  # the client hung up: abandon its request's work
+        # The client hung up: abandon its request's work (once: a second cancel would
+        # also cut short the cleanup of a request a stopping server has cancelled).
+        if self.task is not None and not self.task.cancelling():
+            self.task.cancel()
 
     # -- httptools callbacks
 
@@ -501,6 +506,7 @@ class Edge:
             await self._lifespan.startup()
         except BaseException:
             server.close()
+            await server.wait_closed()
             raise
         self._server = server
         await server.start_serving()
@@ -519,11 +525,15 @@ class Edge:
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while self.connections and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        tasks = []
         for conn in list(self.connections):
             if conn.task is not None:
                 conn.task.cancel()
+                tasks.append(conn.task)
             if conn.transport is not None:
                 conn.transport.abort()
+        if tasks:  # (their cleanup may still use the app: it runs before its shutdown)
+            await asyncio.wait(tasks, timeout=self.config.shutdown_grace_s)
         if self._server is not None:
             await self._server.wait_closed()
         if self._lifespan is not None:

@@ -69,6 +69,8 @@ class VerlRouterConfig:
     @classmethod
     def from_router_kwargs(cls, router_kwargs: Mapping[str, Any] | None) -> VerlRouterConfig:
         """Reads the router YAML's dict; unknown keys are refused (typos)."""
+        if router_kwargs is not None and not isinstance(router_kwargs, Mapping):
+            raise ValueError(f"router_kwargs must be a mapping, got {router_kwargs!r}")
         kw = dict(router_kwargs or {})
         unknown = sorted(set(kw) - KNOWN_KEYS)
         if unknown:
@@ -76,6 +78,8 @@ class VerlRouterConfig:
         kw.pop("router_class", None)
         if kw.get("policy_kwargs") is None:
             kw.pop("policy_kwargs", None)
+        elif not isinstance(kw["policy_kwargs"], Mapping):
+            raise ValueError(f"policy_kwargs must be a mapping, got {kw['policy_kwargs']!r}")
         else:
             kw["policy_kwargs"] = dict(kw["policy_kwargs"])
         return cls(**kw)

@@ -433,6 +433,11 @@ def run_experiment(exp: Experiment, trace_paths: Sequence[Path] | None = None,
     ``workload`` and ``wall_s`` (targets are added by ``war.sim.report``)."""
     if loads is not None:
         check_loads(loads, "loads")
+    if configs is not None:  # (before traces load: an unknown name failed in a worker)
+        unknown = [n for n in configs if n not in exp.configs]
+        if unknown:
+            raise ValueError(f"unknown configurations {unknown} (the experiment has "
+                             f"{sorted(exp.configs)})")
     t0 = time.perf_counter()
     emit = log or (lambda _m: None)
     _STATE.clear()
