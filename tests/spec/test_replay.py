@@ -145,6 +145,9 @@ def test_accepted_len_rejects_malformed_drafts() -> None:
         accepted_len((1, 2), (-1, 1), [1, 2], 0)
     with pytest.raises(ValueError, match=r"parents\[0\] = -2"):
         accepted_len((1,), (-2,), [1], 0)
+    with pytest.raises(ValueError, match="start 3"):
+        accepted_len((1,), (-1,), [1, 2], 3)
+    assert accepted_len((1,), (-1,), [1, 2], 2) == 0
 
 
 def test_sequential_calls_and_accounting() -> None:
@@ -276,6 +279,11 @@ def test_bad_arguments() -> None:
         replay([TRAJ0], lambda: FakeSpeculator({}), batch_size=0)
     with pytest.raises(ValueError, match="budget"):
         replay([TRAJ0], lambda: FakeSpeculator({}), budget=-1)
+    for kwargs in ({"batch_size": 2.5}, {"batch_size": True}, {"budget": 1.5}, {"budget": True}):
+        with pytest.raises(ValueError, match=r"batch_size|budget"):
+            replay([TRAJ0], lambda: FakeSpeculator({}), **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="batch_size"):
+        replay_by_file([], lambda: FakeSpeculator({}), batch_size=0)  # no file to replay
 
 
 def test_mode_presets() -> None:

@@ -463,3 +463,63 @@ def test_propose_arrays_types_and_agreement_with_propose() -> None:
         assert (d.score, d.match_len) == (out.scores[i], out.match_lens[i])
     empty = s.propose_arrays([])
     assert [len(a) for a in empty] == [0, 0, 0, 1, 0, 0, 0]
+
+
+def test_contains_takes_only_int_ids() -> None:
+    s = spec()
+    s.start(1, [1, 2, 3])
+    assert 1 in s and np.int64(1) in s
+    # True and 1.0 hash as 1; a list is unhashable.
+    assert True not in s and 1.0 not in s and [1] not in s
+
+
+def test_propose_refuses_non_sequences_and_duplicates_from_iterators() -> None:
+    s = spec()
+    s.start(1, [1, 2, 3])
+    before = snapshot(s)
+    with pytest.raises(ValueError, match="seq_ids"):
+        s.propose(1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sequence 1 appears twice"):
+        s.propose(iter([1, 1]))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="budgets must be an int or a sequence"):
+        s.propose([1], budgets=np.array(3))  # type: ignore[arg-type]
+    assert snapshot(s) == before
+
+
+def test_finish_commit_must_be_a_bool() -> None:
+    s = spec()
+    s.start(1, [1, 2, 3], group_id="A")
+    s.extend(1, [4, 5])
+    before = snapshot(s)
+    with pytest.raises(ValueError, match="commit"):
+        s.finish(1, commit="no")  # type: ignore[arg-type]
+    assert snapshot(s) == before and 1 in s
+    s.finish(1, commit=np.bool_(False))
+    assert s.num_history_entries == 0
+
+
+def test_add_history_refuses_negative_rl_steps_and_bytes() -> None:
+    s = spec(history_window_steps=2)
+    before = snapshot(s)
+    with pytest.raises(ValueError, match="rl_step must be >= 0"):
+        s.add_history([1, 2, 3], group_id="A", rl_step=-1)
+    for bad in (bytearray(b"\x01\x02"), memoryview(b"\x01\x02")):
+        with pytest.raises(ValueError, match="sequence of ints"):
+            s.add_history(bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="sequence of ints"):
+            s.start(1, bad)  # type: ignore[arg-type]
+    assert snapshot(s) == before and s.num_active == 0
+
+
+def test_config_stores_numpy_scalars_as_python_values() -> None:
+    c = SpecConfig(
+        max_depth=np.int64(8), alpha=np.float32(0.5), tree=np.bool_(True),
+        combine=np.str_("merge"), history_token_budget=np.uint16(100),
+    )
+    assert c == SpecConfig(max_depth=8, alpha=0.5, tree=True, combine="merge",
+                           history_token_budget=100)
+    assert type(c.max_depth) is int and type(c.alpha) is float and type(c.tree) is bool
+    assert type(c.history_token_budget) is int and type(c.combine) is str
+    SuffixSpeculator(c).start(1, [1, 2])
+    with pytest.raises(ValueError, match="max_depth"):
+        SpecConfig(max_depth=np.int64(0))

@@ -137,6 +137,11 @@ BAD = [
     (json.dumps(record(source=3)), "'source' must be a string"),
     (json.dumps(record(model=3)), "'model' must be a string"),
     (json.dumps(record(reward="1")), "'reward' must be a number"),
+    (json.dumps(record(reward=float("nan"))), "'reward' must be finite"),
+    (json.dumps(record(reward=float("inf"))), "'reward' must be finite"),
+    (json.dumps(record(reward=10**400)), "'reward' must be finite"),
+    ('{"trial": ' + "1" * 5000 + "}", "invalid JSON"),  # beyond int() digits
+    ("[" * 100_000, "invalid JSON"),  # nesting beyond the recursion limit
     (json.dumps(record(messages={})), "'messages' must be a list"),
     (json.dumps(record(messages=["hi"])), r"messages\[0\]: a message must be an object"),
     (json.dumps(record(messages=[{"role": "user"}])), r"messages\[0\].*lacks key.*content"),
@@ -211,3 +216,31 @@ def test_render() -> None:
     assert render([Message("user", "a"), Message("assistant", "b")]) == (
         "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n"
     )
+
+
+def test_records_split_only_at_newlines(tmp_path: Path) -> None:
+    # json.dumps leaves U+2028 and U+0085 unescaped; CRLF endings are fine too.
+    content = "a\u2028b\x85c\x1ed"
+    line = json.dumps(record(messages=[{"role": "user", "content": content}]), ensure_ascii=False)
+    path = tmp_path / "u.jsonl"
+    path.write_bytes((line + "\r\n" + json.dumps(record(trial=1)) + "\r\n").encode("utf-8"))
+    recs = load_records([path])
+    assert [r.line for r in recs] == [1, 2]
+    assert recs[0].messages[0].content == content
+
+
+def test_corrupt_gzip_and_bad_arguments_are_value_errors(tmp_path: Path) -> None:
+    data = gzip.compress((json.dumps(record()) + "\n").encode())
+    bad = tmp_path / "x.jsonl.gz"
+    bad.write_bytes(data[:10] + b"\xff" * 20 + data[30:])  # a broken deflate stream
+    with pytest.raises(ValueError, match="not a valid gzip file"):
+        load_records([bad])
+    path = write_jsonl(tmp_path / "a.jsonl", [json.dumps(record())])
+    for limit in (0.5, "1", True):
+        with pytest.raises(ValueError, match="limit"):
+            load_records([path], limit=limit)  # type: ignore[arg-type]
+    for single in (str(path), path):
+        with pytest.raises(ValueError, match="single path"):
+            load_records(single)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="seed"):
+        shuffled([], [1])  # type: ignore[arg-type]

@@ -179,3 +179,21 @@ def test_numbers_beyond_any_float_or_int64_are_value_errors() -> None:
     capped = s.propose([1], SpecConfig().max_spec_tokens)
     for budget in (2**63, [10**30], np.uint64(2**64 - 1)):
         assert s.propose([1], budget) == capped  # type: ignore[arg-type]
+
+
+def test_alpha_and_ranges_take_numpy_ints_and_refuse_bools_and_strings() -> None:
+    assert alpha_table(np.int64(2), 1).tolist() == [2.0, 2.0]
+    assert alpha_table(np.array([1, 2], dtype=np.int16), 1).tolist() == [1.0, 2.0]
+    for bad in (["0.5", "0.5"], [True, False], np.array([True, False]), "05"):
+        with pytest.raises(ValueError, match="alpha"):
+            alpha_table(bad, 1)  # type: ignore[arg-type]
+    t = SuffixTree(np.int64(4))  # type: ignore[arg-type]
+    t.append(0, [1, 2, 3])
+    t.append_from(1, t, 0, np.int64(1), np.int64(3))
+    assert t.sequence(1) == [2, 3]
+    before = (t.num_nodes, t.num_tokens)
+    with pytest.raises(ValueError, match="start must be an int"):
+        t.append_from(2, t, 0, False, True)
+    with pytest.raises(ValueError, match="end must be an int"):
+        t.append_from(2, t, 0, 0, 1.0)  # type: ignore[arg-type]
+    assert (t.num_nodes, t.num_tokens) == before and not t.contains(2)

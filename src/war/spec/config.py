@@ -8,7 +8,9 @@ docs/suffix-speculation.md).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+import numpy as np
 
 COMBINES = ("best", "merge")
 """Values of ``SpecConfig.combine``."""
@@ -84,6 +86,9 @@ class SpecConfig:
     history_token_budget: int | None = None
 
     def __post_init__(self) -> None:
+        # NumPy scalars are accepted and stored as Python values, so that configs
+        # compare, hash and serialise alike whatever built them.
+        _normalize(self)
         _check_int("max_depth", self.max_depth, 1)
         if self.max_depth > MAX_DEPTH:  # (before any per-depth table is built)
             raise ValueError(f"max_depth must be <= {MAX_DEPTH} (the native trees' limit), "
@@ -98,7 +103,7 @@ class SpecConfig:
         _check_float("local_alpha", self.local_alpha, 0.0)
         _check_float("global_alpha", self.global_alpha, 0.0)
         _check_float("group_weight", self.group_weight, 0.0)
-        if self.combine not in COMBINES:
+        if not isinstance(self.combine, str) or self.combine not in COMBINES:
             raise ValueError(f"combine must be one of {COMBINES}, got {self.combine!r}")
         _check_float("merge_threshold", self.merge_threshold, 0.0, 1.0)
         _check_float("merge_min_prob", self.merge_min_prob, 0.0, 1.0)
@@ -151,6 +156,22 @@ class SpecConfig:
         (``alpha`` defaults to the group's)."""
         a = self.alpha if alpha is None else alpha
         return tuple(a * self.alpha_decay**d for d in range(self.max_depth + 1))
+
+
+def _normalize(config: SpecConfig) -> None:
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, np.bool_):
+            value = bool(value)
+        elif isinstance(value, np.integer):
+            value = int(value)
+        elif isinstance(value, np.floating):
+            value = float(value)
+        elif isinstance(value, np.str_):
+            value = str(value)
+        else:
+            continue
+        object.__setattr__(config, f.name, value)  # (frozen)
 
 
 def _check_int(name: str, value: object, low: int) -> None:

@@ -110,6 +110,8 @@ def accepted_len(
     """
     if len(parents) != len(token_ids):
         raise ValueError(f"draft has {len(token_ids)} tokens but {len(parents)} parents")
+    if not 0 <= start <= len(target):
+        raise ValueError(f"start {start} is not in [0, {len(target)}]")
     node, n, limit = -1, 0, len(target) - start
     # One pass suffices: a node's children all come after it in emission order.
     for i, (token, parent) in enumerate(zip(token_ids, parents, strict=True)):
@@ -266,10 +268,7 @@ def _replay(
     budget: int | None,
     batch_size: int,
 ) -> Recorder:
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if budget is not None and budget < 0:
-        raise ValueError(f"budget must be >= 0 or None, got {budget}")
+    _check_args(budget, batch_size)
     t0 = time.perf_counter()
     rec = _sequential(trajs, make_speculator(), budget)
     batched = _batched(trajs, make_speculator(), budget, batch_size)
@@ -282,6 +281,15 @@ def _replay(
     rec.batched_accepted = batched.batched_accepted
     rec.seconds = time.perf_counter() - t0
     return rec
+
+
+def _check_args(budget: int | None, batch_size: int) -> None:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if budget is not None and (
+        not isinstance(budget, int) or isinstance(budget, bool) or budget < 0
+    ):
+        raise ValueError(f"budget must be an int >= 0 or None, got {budget!r}")
 
 
 def replay(
@@ -310,6 +318,7 @@ def replay_by_file(
     """Replays each trace file's trajectories as its own workload (fresh speculators, the
     given order kept within each file) and returns their sum, with `per_file` filled in.
     A file's numbers thus do not depend on which other files were replayed."""
+    _check_args(budget, batch_size)  # (also when there is no file to replay)
     by_file: dict[str, list[Trajectory]] = {}
     for traj in trajectories:
         by_file.setdefault(traj.file, []).append(traj)

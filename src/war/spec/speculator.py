@@ -131,11 +131,18 @@ class SuffixSpeculator:
     def finish(self, seq_id: int, commit: bool = True) -> None:
         """Ends a trajectory; its last response enters the history if ``commit``. Mutates."""
         traj = self._traj(seq_id)
+        if not isinstance(commit, (bool, np.bool_)):  # ("no" would commit)
+            raise ValueError(f"commit must be a bool, got {commit!r}")
         if commit:
             self._commit(traj)
         del self._trajs[int(seq_id)]
 
     def __contains__(self, seq_id: object) -> bool:
+        if type(seq_id) is not int:
+            # (True and 1.0 hash as 1; an unhashable key would raise TypeError)
+            if not isinstance(seq_id, (int, np.integer)) or isinstance(seq_id, (bool, np.bool_)):
+                return False
+            seq_id = int(seq_id)
         return seq_id in self._trajs
 
     @property
@@ -155,6 +162,8 @@ class SuffixSpeculator:
         _check_group(group_id)
         tokens = as_tokens(token_ids)
         step = self._rl_step if rl_step is None else as_id(rl_step, "rl_step")
+        if step < 0:  # (observe_step never goes below 0)
+            raise ValueError(f"rl_step must be >= 0, got {step}")
         window = self.config.history_window_steps
         if tokens.size == 0 or (window is not None and step <= self._rl_step - window):
             return  # nothing to add, or already outside the window
@@ -245,13 +254,20 @@ class SuffixSpeculator:
         self, seq_ids: Sequence[int], budgets: Sequence[int] | int | None = None
     ) -> BatchDrafts:
         """Like ``propose``, as concatenated arrays (for engines). Reads only."""
-        trajs = [self._traj(s) for s in seq_ids]
+        try:
+            trajs = [self._traj(s) for s in seq_ids]
+        except TypeError:  # (_traj raises only ValueError)
+            raise ValueError(
+                f"seq_ids must be a sequence of ints, got {type(seq_ids).__name__}"
+            ) from None
         if len({id(t) for t in trajs}) != len(trajs):
+            # (from the trajectories: seq_ids may be an iterator, already consumed)
             seen: set[int] = set()
-            for s in seq_ids:
-                if int(s) in seen:
-                    raise ValueError(f"sequence {int(s)} appears twice in one batch")
-                seen.add(int(s))
+            for t in trajs:
+                if id(t) in seen:
+                    sid = next(k for k, v in self._trajs.items() if v is t)
+                    raise ValueError(f"sequence {sid} appears twice in one batch")
+                seen.add(id(t))
         budget_arr = self._budgets(budgets, len(trajs))
         groups = [
             self._groups.get(t.group, self._empty) if t.group is not None else self._empty
@@ -277,7 +293,9 @@ class SuffixSpeculator:
         if isinstance(budgets, (int, np.integer)) and not isinstance(budgets, bool):
             values = [int(budgets)] * n
         else:
-            if isinstance(budgets, (str, bytes, bool)) or not isinstance(budgets, Iterable):
+            if isinstance(budgets, (str, bytes, bool)) or not isinstance(budgets, Iterable) or (
+                isinstance(budgets, np.ndarray) and budgets.ndim != 1
+            ):
                 raise ValueError(f"budgets must be an int or a sequence of ints, got {budgets!r}")
             values = []
             for b in budgets:

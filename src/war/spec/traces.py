@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import random
+import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,8 +163,12 @@ def load_records(sources: Iterable[TraceSource], limit: int | None = None) -> li
     Raises FileNotFoundError for a missing file and ValueError naming `file:line` for a
     malformed record or a duplicate `(task_id, trial, source)`. Blank lines are skipped.
     """
-    if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
+    if limit is not None and (
+        not isinstance(limit, int) or isinstance(limit, bool) or limit < 0
+    ):
+        raise ValueError(f"limit must be an int >= 0 or None, got {limit!r}")
+    if isinstance(sources, str | os.PathLike):  # (a str would be read as one file per char)
+        raise ValueError(f"sources must be a list of trace files, got the single path {sources!r}")
     records: list[TraceRecord] = []
     seen: dict[tuple[str, int, str], str] = {}
     for source in sources:
@@ -185,12 +191,14 @@ def load_records(sources: Iterable[TraceSource], limit: int | None = None) -> li
 
 def parse_records(text: str, file: str) -> Iterator[TraceRecord]:
     """Validates the records in `text` (JSONL); `file` names it in errors."""
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # Records end at "\n" only: str.splitlines() also splits at U+2028, U+0085, ...,
+    # which JSON strings may hold unescaped.
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:  # (also too many digits, deep nesting)
             raise ValueError(f"{file}:{lineno}: invalid JSON: {e}") from None
         yield _record(obj, file, lineno)
 
@@ -210,7 +218,7 @@ def _read_text(path: Traversable, name: str) -> str:
     if path.name.endswith(".gz"):
         try:
             raw = gzip.decompress(raw)
-        except (OSError, EOFError) as e:
+        except (OSError, EOFError, zlib.error) as e:
             raise ValueError(f"{name}: not a valid gzip file: {e}") from None
     try:
         return raw.decode("utf-8")
@@ -238,6 +246,10 @@ def _record(obj: Any, file: str, line: int) -> TraceRecord:
     reward = obj.get("reward")
     if reward is not None and (not isinstance(reward, int | float) or isinstance(reward, bool)):
         raise ValueError(f"{where}: 'reward' must be a number or null, got {reward!r}")
+    if reward is not None and (
+        (isinstance(reward, int) and abs(reward) > 2**1023) or not math.isfinite(reward)
+    ):  # (json reads NaN and Infinity; float() of a huge int overflows)
+        raise ValueError(f"{where}: 'reward' must be finite, got {reward!r}")
     raw_messages = obj["messages"]
     if not isinstance(raw_messages, list):
         raise ValueError(f"{where}: 'messages' must be a list")
@@ -348,6 +360,8 @@ def trial_major(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
 
 def shuffled(trajectories: Sequence[Trajectory], seed: int) -> list[Trajectory]:
     """A copy of `trajectories` in a random order fixed by `seed`."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an int, got {seed!r}")
     out = list(trajectories)
     random.Random(seed).shuffle(out)
     return out

@@ -84,7 +84,10 @@ def as_tokens(tokens: TokensLike, what: str = "token ids") -> TokenArray:
             if lo < 0 or hi > INT32_MAX:
                 _out_of_range(what, lo if lo < 0 else hi)
         return np.ascontiguousarray(arr, dtype=np.int32)
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+    # (bytes-like objects are Sequences of small ints, but never token ids)
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(
+        tokens, Sequence
+    ):
         raise ValueError(f"{what} must be a sequence of ints, got {type(tokens).__name__}")
     if not tokens:
         return np.empty(0, dtype=np.int32)
@@ -150,12 +153,19 @@ AlphaLike = float | Sequence[float] | npt.NDArray[np.float64]
 
 def alpha_table(alpha: AlphaLike, max_depth: int) -> npt.NDArray[np.float64]:
     """Smoothing per trie depth ``0..max_depth``: a constant, or one value per depth."""
-    if isinstance(alpha, (int, float, np.floating)) and not isinstance(alpha, bool):
+    if isinstance(alpha, (int, float, np.integer, np.floating)) and not isinstance(
+        alpha, (bool, np.bool_)
+    ):
         try:
             values = np.full(max_depth + 1, float(alpha), dtype=np.float64)
         except OverflowError:  # an int beyond any float
             raise ValueError(f"alpha values must be finite and >= 0, got {alpha!r}") from None
     else:
+        if isinstance(alpha, (str, bytes)) or (
+            isinstance(alpha, np.ndarray) and alpha.dtype.kind not in "iuf"
+        ) or (isinstance(alpha, Sequence) and not all(_is_number(a) for a in alpha)):
+            # (NumPy would read "0.5" or True as a number)
+            raise ValueError(f"alpha must be a number or a sequence of numbers, got {alpha!r}")
         try:
             values = np.asarray(alpha, dtype=np.float64)
         except (TypeError, ValueError, OverflowError):
@@ -169,6 +179,12 @@ def alpha_table(alpha: AlphaLike, max_depth: int) -> npt.NDArray[np.float64]:
     if not np.all(np.isfinite(values)) or np.any(values < 0):
         raise ValueError("alpha values must be finite and >= 0")
     return np.ascontiguousarray(values)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
 
 
 def draft_params(
@@ -209,11 +225,11 @@ class SuffixTree:
     """
 
     def __init__(self, max_depth: int) -> None:
-        if not isinstance(max_depth, int) or isinstance(max_depth, bool) or not (
+        if not isinstance(max_depth, (int, np.integer)) or isinstance(max_depth, bool) or not (
             1 <= max_depth <= MAX_DEPTH
         ):
             raise ValueError(f"max_depth must be an int in [1, {MAX_DEPTH}], got {max_depth!r}")
-        self._t = _C.SuffixTree(max_depth)
+        self._t = _C.SuffixTree(int(max_depth))
 
     @property
     def native(self) -> Any:
@@ -255,9 +271,10 @@ class SuffixTree:
         sid = as_id(seq_id)
         oid = other._known(other_id)
         n = other.seq_len(oid)
-        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= n):
-            raise ValueError(f"range [{start}, {end}) out of bounds for a sequence of {n}")
-        self._t.append_from(sid, other._t, oid, start, end)
+        lo, hi = as_id(start, "start"), as_id(end, "end")
+        if not 0 <= lo <= hi <= n:
+            raise ValueError(f"range [{lo}, {hi}) out of bounds for a sequence of {n}")
+        self._t.append_from(sid, other._t, oid, lo, hi)
 
     def seal(self, seq_id: int) -> None:
         """Marks a sequence complete, freeing what appending needs. Mutates."""
