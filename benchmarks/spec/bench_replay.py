@@ -34,20 +34,11 @@ from war.spec.replay import (
     ratios,
     replay_by_file,
 )
-from war.spec.traces import ORDERS, load_tokenizer, load_trajectories, ordered
+from war.spec.traces import ORDERS, load_tokenizer, load_trajectories, ordered, shared_inputs
 
 _FLAG_TYPES = {
     "int": int, "float": float, "str": str, "int | None": int, "float | None": float,
 }
-
-
-def find_shared(start: Path) -> Path | None:
-    """The nearest `shared/data` folder in `start` or a folder above it."""
-    for folder in (start, *start.parents):
-        candidate = folder / "shared" / "data"
-        if candidate.is_dir():
-            return candidate
-    return None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -122,20 +113,12 @@ def summary(args: argparse.Namespace, n: int, r: ReplayReport, base: ReplayRepor
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    shared = find_shared(Path(__file__).resolve().parent)
-    traces: list[Path] = args.traces or []
+    found, shared_tokenizer = shared_inputs(Path(__file__).resolve().parent)
+    traces: list[Path] = args.traces or found
     if not traces:
-        folder = shared / "traces" if shared else None
-        traces = sorted(folder.glob("*.jsonl")) if folder and folder.is_dir() else []
-        if not traces:
-            sys.exit(
-                "bench_replay: no shared/data/traces/*.jsonl found above this script; "
-                "pass --traces FILE ..."
-            )
-    tokenizer_path = args.tokenizer
-    if tokenizer_path is None and shared is not None:
-        default = shared / "tokenizer" / "gpt2" / "tokenizer.json"
-        tokenizer_path = default if default.is_file() else None
+        sys.exit("bench_replay: no shared/data/traces/*.jsonl found above this script; "
+                 "pass --traces FILE ...")
+    tokenizer_path = args.tokenizer or shared_tokenizer
     cfg = spec_config(args)
     base_cfg = baseline_config(args.mode, cfg.max_depth)
 

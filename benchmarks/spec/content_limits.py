@@ -36,19 +36,17 @@ from typing import Any
 from war.outputs import output_file_arg, write_json
 from war.spec import SpecConfig, SuffixSpeculator
 from war.spec.replay import MODES, accepted_len, rl_steps
-from war.spec.traces import ORDERS, Trajectory, load_tokenizer, load_trajectories, ordered
+from war.spec.traces import (
+    ORDERS,
+    Trajectory,
+    load_tokenizer,
+    load_trajectories,
+    ordered,
+    shared_inputs,
+)
 from war.spec.tree import SuffixTree
 
 CONTEXT_LENGTHS = (0, 1, 2, 4, 8)
-
-
-def find_shared(start: Path) -> Path | None:
-    """The nearest `shared/data` folder in `start` or a folder above it."""
-    for folder in (start, *start.parents):
-        candidate = folder / "shared" / "data"
-        if candidate.is_dir():
-            return candidate
-    return None
 
 
 class _Text:
@@ -157,18 +155,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    shared = find_shared(Path(__file__).resolve().parent)
-    traces: list[Path] = args.traces or []
+    found, shared_tokenizer = shared_inputs(Path(__file__).resolve().parent)
+    traces: list[Path] = args.traces or found
     if not traces:
-        folder = shared / "traces" if shared else None
-        traces = sorted(folder.glob("*.jsonl")) if folder and folder.is_dir() else []
-        if not traces:
-            sys.exit("content_limits: no shared/data/traces/*.jsonl found above this "
-                     "script; pass --traces FILE ...")
-    tokenizer_path = args.tokenizer
-    if tokenizer_path is None and shared is not None:
-        default = shared / "tokenizer" / "gpt2" / "tokenizer.json"
-        tokenizer_path = default if default.is_file() else None
+        sys.exit("content_limits: no shared/data/traces/*.jsonl found above this script; "
+                 "pass --traces FILE ...")
+    tokenizer_path = args.tokenizer or shared_tokenizer
     tokenizer = load_tokenizer(tokenizer_path)
     config = SpecConfig.for_mode(args.mode)
     per_file: dict[str, Any] = {}

@@ -244,3 +244,22 @@ def test_corrupt_gzip_and_bad_arguments_are_value_errors(tmp_path: Path) -> None
             load_records(single)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="seed"):
         shuffled([], [1])  # type: ignore[arg-type]
+
+
+def test_shared_inputs_are_found_above_a_folder(tmp_path: Path) -> None:
+    from war.spec.traces import find_shared_data, shared_inputs
+
+    deep = tmp_path / "repo" / "benchmarks" / "spec"
+    deep.mkdir(parents=True)
+    assert find_shared_data(deep) is None and shared_inputs(deep) == ([], None)
+    data = tmp_path / "shared" / "data"
+    (data / "traces").mkdir(parents=True)
+    for name in ("b.jsonl", "a.jsonl", "notes.txt"):
+        (data / "traces" / name).write_text("")
+    assert find_shared_data(deep) == data
+    assert shared_inputs(deep) == ([data / "traces" / "a.jsonl", data / "traces" / "b.jsonl"],
+                                   None)
+    tokenizer = data / "tokenizer" / "gpt2" / "tokenizer.json"
+    tokenizer.parent.mkdir(parents=True)
+    tokenizer.write_text("{}")
+    assert shared_inputs(deep)[1] == tokenizer

@@ -131,6 +131,29 @@ class ChatFormat:
         )
 
 
+def find_shared_data(start: Path) -> Path | None:
+    """The nearest ``shared/data`` folder at or above ``start`` (where trace files and
+    the GPT-2 tokenizer sit beside a checkout of this project), or None."""
+    for folder in (start, *start.parents):
+        candidate = folder / "shared" / "data"
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def shared_inputs(start: Path) -> tuple[list[Path], Path | None]:
+    """The nearest shared data folder's trace files (every ``traces/*.jsonl``, sorted;
+    none without the folder) and its ``tokenizer/gpt2/tokenizer.json`` (None if absent):
+    the default inputs of the speculator's benchmarks."""
+    shared = find_shared_data(start)
+    if shared is None:
+        return [], None
+    folder = shared / "traces"
+    traces = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+    tokenizer = shared / "tokenizer" / "gpt2" / "tokenizer.json"
+    return traces, tokenizer if tokenizer.is_file() else None
+
+
 def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
     """A `tokenizers.Tokenizer` with IM_START / IM_END added as special tokens.
 
