@@ -91,3 +91,38 @@ def test_a_failed_write_keeps_the_old_report(tmp_path: Path) -> None:
         write_text_atomic(target, NotText())  # type: ignore[arg-type]  # fails mid-write
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary left
+
+
+def test_a_long_file_name_that_fits_is_written(tmp_path: Path) -> None:
+    # 255 bytes is the usual limit: the temporary's name must not be longer than it
+    target = tmp_path / ("r" * 245 + ".json")
+    assert check_output_file(target) == target
+    write_json(target, {"a": 1})
+    assert json.loads(target.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]
+
+
+def test_a_file_name_too_long_is_a_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"--json .*File name too long"):
+        check_output_file(tmp_path / ("r" * 300 + ".json"), "--json")
+    with pytest.raises(ValueError, match=r"--plots .*File name too long"):
+        check_output_dir(tmp_path / ("p" * 300), "--plots")
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", type=output_file_arg)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--json", str(tmp_path / ("r" * 300))])
+
+
+def test_the_report_is_on_disk_before_it_is_renamed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "r.json"
+    synced: list[bool] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(target.exists())
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    write_json(target, {"a": 1})
+    assert synced == [False]  # once, on the temporary, before the rename

@@ -75,3 +75,11 @@ def test_gen_request_takes_int_and_float_priorities() -> None:
 def test_gen_request_refuses_sampling_that_is_not_sampling_params(sampling: Any) -> None:
     with pytest.raises(ValueError, match="sampling must be a SamplingParams"):
         GenRequest("r", (1,), sampling=sampling)
+
+
+@pytest.mark.parametrize("prompt_ids", [None, 5, "abc", b"ab"])
+def test_gen_request_refuses_prompt_ids_that_are_not_a_sequence_of_ids(prompt_ids: Any) -> None:
+    # None and ints raised TypeError from len(); a string passed as its characters
+    with pytest.raises(ValueError, match="prompt_ids must be a sequence of token ids"):
+        GenRequest("r", prompt_ids)
+    assert list(GenRequest("r", [1, 2]).prompt_ids) == [1, 2]  # type: ignore[arg-type]

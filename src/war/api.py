@@ -214,6 +214,7 @@ def is_token(x: object) -> bool:
 
 
 def finite_logprob(x: float) -> float | None:
-    if math.isnan(x):
+    # NaN and +inf (no log-probability) have no JSON form either
+    if math.isnan(x) or x == math.inf:
         return None
     return max(x, _LOGPROB_FLOOR)

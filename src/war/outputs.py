@@ -25,10 +25,13 @@ def check_output_file(path: str | os.PathLike[str], what: str = "output file") -
     missing) and takes new files, and ``path`` is not a folder. Writes nothing at
     ``path`` itself. Raises ValueError naming ``what`` and the path otherwise."""
     p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"{what} {p} is a folder; give a file name")
-    if p.exists() and not os.access(p, os.W_OK):
-        raise ValueError(f"{what} {p} is not writable")
+    try:
+        if p.is_dir():
+            raise ValueError(f"{what} {p} is a folder; give a file name")
+        if p.exists() and not os.access(p, os.W_OK):
+            raise ValueError(f"{what} {p} is not writable")
+    except OSError as e:  # e.g. a name too long for the file system
+        raise ValueError(f"{what} {p}: {e.strerror or e}") from None
     _probe(p.parent, what, p)
     return p
 
@@ -37,8 +40,11 @@ def check_output_dir(path: str | os.PathLike[str], what: str = "output folder") 
     """Checks that ``path`` is (or can be created as) a folder that takes new files;
     creates it. Raises ValueError naming ``what`` and the path otherwise."""
     p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise ValueError(f"{what} {p} exists and is not a folder")
+    try:
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"{what} {p} exists and is not a folder")
+    except OSError as e:  # e.g. a name too long for the file system
+        raise ValueError(f"{what} {p}: {e.strerror or e}") from None
     _probe(p, what, p)
     return p
 
@@ -48,10 +54,14 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     renamed over ``path``: ``path`` holds either its old content or all of ``text``."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    # the name is cut so that the temporary's fits where the target's does (255 bytes)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name[:32]}.", suffix=".tmp", dir=p.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+            # on disk before the rename, which a crash could otherwise keep over no data
+            f.flush()
+            os.fsync(f.fileno())
         # mkstemp makes the file private: give it the mode a plain open() would
         # (or the replaced file's).
         os.chmod(tmp, p.stat().st_mode & 0o7777 if p.exists() else 0o666 & ~_umask())

@@ -159,6 +159,10 @@ class GenRequest:
             raise ValueError("request_id must be a non-empty string")
         if self.continues and self.trajectory_id is None:
             raise ValueError(f"request {self.request_id}: continues needs a trajectory_id")
+        # (a string has a length too, and would be taken for its characters)
+        if isinstance(self.prompt_ids, (str, bytes)) or not hasattr(self.prompt_ids, "__len__"):
+            raise ValueError(f"request {self.request_id}: prompt_ids must be a sequence of "
+                             f"token ids, got {type(self.prompt_ids).__name__}")
         if len(self.prompt_ids) == 0:
             raise ValueError(f"request {self.request_id}: prompt_ids is empty")
         if not isinstance(self.sampling, SamplingParams):

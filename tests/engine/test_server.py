@@ -593,3 +593,78 @@ def test_war_aio_runs_on_uvloop_and_falls_back(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(builtins, "__import__", no_uvloop)
     assert aio.loop_factory() is None
     assert aio.run(loop_name()).startswith("asyncio")
+
+
+@pytest.mark.parametrize(("raw", "field"), [
+    (r'{"prompt": [5], "request_id": "a\ud800"}', "request_id"),
+    (r'{"prompt": [5], "trajectory_id": "\udfff"}', "trajectory_id"),
+    (r'{"prompt": [5], "trajectory_id": "\udfff", "continues": true, "max_tokens": null}',
+     "trajectory_id"),
+    (r'{"prompt": [5], "group_id": "\ud800"}', "group_id"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(
+        client: TestClient, raw: str, field: str) -> None:
+    # Python's JSON parser lets "\ud800" through; it has no UTF-8 form (a 500 before,
+    # for request_id after the work was done)
+    r = client.post("/v1/completions", content=raw.encode(),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and "not valid Unicode" in err["message"]
+    assert complete(client, prompt=[5, 6], max_tokens=1).status_code == 200
+
+
+def test_lone_surrogates_in_text_and_side_requests_are_a_400(client: TestClient) -> None:
+    raw = {"/v1/history": r'{"items": [{"token_ids": [1, 2], "group_id": "\ud800"}]}',
+           "/v1/trajectories/finish": r'{"trajectory_id": "\ud800"}',
+           "/v1/weights": r'{"path": "/tmp/\ud800"}'}
+    for path, body in raw.items():
+        r = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], (
+            path, r.text)
+    ae = AsyncEngine(tiny_engine(word_tokenizer()))
+    try:
+        with TestClient(create_app(ae)) as c:
+            for body in (r'{"prompt": "w5 \udc80"}', r'{"prompt": ["w5", "\ud800"]}',
+                         r'{"prompt": [5], "stop": ["\ud800"]}',
+                         r'{"prompt": [5], "stop": "\ud800"}'):
+                r = c.post("/v1/completions", content=body.encode(),
+                           headers={"content-type": "application/json"})
+                assert r.status_code == 400, (body, r.text)
+                assert "not valid Unicode" in r.json()["error"]["message"]
+            ok = c.post("/v1/completions", json={"prompt": "w5 \U0001f600", "max_tokens": 1})
+            assert ok.status_code == 200, ok.text
+    finally:
+        asyncio.run(ae.close())
+
+
+def test_empty_history_items_and_weights_path_are_refused(client: TestClient) -> None:
+    r = client.post("/v1/history", json={"items": []})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "items is empty"
+    r = client.post("/v1/weights", json={"path": ""})  # would be the working folder
+    assert r.status_code == 400 and r.json()["error"]["message"] == "path must not be empty"
+
+
+def test_a_response_that_fails_is_counted_as_a_500() -> None:
+    class BadTokenizer:
+        def decode(self, ids: list[int]) -> str:
+            raise RuntimeError("cannot decode")
+
+    fake = FakeEngine()
+    fake.tokenizer = BadTokenizer()  # type: ignore[assignment]
+    ae = AsyncEngine(fake)  # type: ignore[arg-type]
+    try:
+        with TestClient(create_app(ae), raise_server_exceptions=False) as c:
+            assert c.post("/v1/completions", json={"prompt": [1, 2]}).status_code == 500
+            text = c.get("/metrics").text
+            assert 'war_http_requests_total{status="500"} 1.0' in text, text
+            assert 'status="200"' not in text
+    finally:
+        asyncio.run(ae.close())
+
+
+def test_finite_logprob_maps_what_json_cannot_hold() -> None:
+    from war.api import finite_logprob
+
+    assert finite_logprob(float("nan")) is None and finite_logprob(float("inf")) is None
+    assert finite_logprob(float("-inf")) == -9999.0 and finite_logprob(-0.5) == -0.5

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gzip
 from importlib.resources import files
 from importlib.resources.abc import Traversable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 __all__ = [
     "GPT2_TOKENIZER",
@@ -31,6 +31,10 @@ POLICY = "policy"
 
 def resource(name: str) -> Traversable:
     """The packaged file `name` (for example `SAMPLE_TRACES`); raises FileNotFoundError."""
+    # an absolute name or one with '..' would leave the package (joinpath follows it)
+    parts = PurePosixPath(str(name).replace("\\", "/")).parts
+    if not parts or parts[0] == "/" or ".." in parts:
+        raise FileNotFoundError(f"war.data has no bundled file {name!r}")
     path = files(__name__).joinpath(name)
     if not path.is_file():
         raise FileNotFoundError(f"war.data has no bundled file {name!r}")

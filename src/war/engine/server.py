@@ -50,6 +50,18 @@ from war.engine.metrics import CONTENT_TYPE, ReplicaMetrics
 from war.types import GenRequest, GenResult, SamplingParams, UnknownTrajectory
 
 
+def _check_unicode(value: str | None, param: str) -> None:
+    """Refuses a string holding a lone surrogate (JSON's ``"\\ud800"``, which the JSON
+    parser lets through): it has no UTF-8 form, so the tokenizer, the engine's draft
+    trees and the response encoder would fail on it with a 500."""
+    if value is not None:
+        try:
+            value.encode()
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"{param} is not valid Unicode (a lone surrogate at "
+                           f"index {e.start})", param=param) from None
+
+
 class _Completions:
     """Turns completion bodies into engine requests and results into responses."""
 
@@ -69,6 +81,7 @@ class _Completions:
         if encode is None:
             raise APIError(400, "text prompts need a server with a tokenizer; send token ids",
                            param="prompt")
+        _check_unicode(text, "prompt")
         enc = encode(text)
         ids = getattr(enc, "ids", enc)
         return [int(t) for t in ids]
@@ -149,10 +162,15 @@ class _Completions:
         if stop and self.tokenizer is None:
             raise APIError(400, "stop strings need a server with a tokenizer; "
                            "use stop_token_ids", param="stop")
+        for s in stop:
+            _check_unicode(s, "stop")
 
         rid = body.request_id or headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
         trajectory_id = self.trajectory_id(body, headers)
         group_id = body.group_id or headers.get("x-group-id")
+        _check_unicode(rid, "request_id")
+        _check_unicode(trajectory_id, "trajectory_id")
+        _check_unicode(group_id, "group_id")
         priority = body.priority
         if priority is None and "x-priority" in headers:
             try:
@@ -316,8 +334,10 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
             except EngineStepError as e:
                 raise APIError(500, str(e), "server_error", "engine_error") from None
             want = body.logprobs is not None and body.logprobs is not False
+            # (rendered first: a response that fails to render is counted as the 500 it is)
+            response = JSONResponse(completions.respond(rid, results, want))
             status = 200
-            return JSONResponse(completions.respond(rid, results, want))
+            return response
         except APIError as e:
             status = e.status
             raise
@@ -351,6 +371,8 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
     async def history(body: HistoryRequest) -> dict[str, Any]:
         if (body.token_ids is None) == (body.items is None):
             raise APIError(400, "send either token_ids (with an optional group_id) or items")
+        if body.items is not None and not body.items:
+            raise APIError(400, "items is empty", param="items")
         if body.items is not None and body.group_id is not None:
             raise APIError(400, "group_id goes inside each item when items are sent",
                            param="group_id")
@@ -360,6 +382,7 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
         for i, item in enumerate(items):
             if not item.token_ids:
                 raise APIError(400, f"item {i}: token_ids is empty", param="token_ids")
+            _check_unicode(item.group_id, "group_id")
             bad = next((t for t in item.token_ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise APIError(400, f"item {i}: token id {bad} outside the vocabulary "
@@ -380,6 +403,9 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
     async def weights(body: WeightsRequest) -> dict[str, Any]:
         """Loads new weights from a folder (RL weight sync through disk): in-flight
         requests are recomputed with them and the prefix cache is cleared."""
+        if not body.path:  # would be the server's working folder
+            raise APIError(400, "path must not be empty", param="path")
+        _check_unicode(body.path, "path")
         try:
             version = await async_engine.load_weights(body.path)
         except (ValueError, OSError, KeyError) as e:
@@ -408,6 +434,7 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
         (``EngineConfig.kv_hold_s``)."""
         if not body.trajectory_id:
             raise APIError(400, "trajectory_id must not be empty", param="trajectory_id")
+        _check_unicode(body.trajectory_id, "trajectory_id")
         try:
             held = await async_engine.finish_trajectory(body.trajectory_id)
         except EngineClosedError as e:
