@@ -255,6 +255,40 @@ def test_budget_smaller_than_one_entry_keeps_history_empty() -> None:
     s.check_integrity()
 
 
+def test_an_entry_larger_than_the_budget_leaves_the_history_as_it_was() -> None:
+    s = spec(history_token_budget=20, lead_in=0)
+    s.start(1, [1], group_id="A")
+    s.extend(1, [7, 8, 9, 10])
+    s.finish(1)
+    assert s.history_tokens == 4
+    s.start(2, [1], group_id="A")
+    s.extend(2, list(range(20, 45)))  # 25 tokens: it could never be held
+    s.finish(2)
+    assert s.history_tokens == 4 and s.num_history_entries == 1  # the earlier one stays
+    s.start(3, [7, 8], group_id="A")
+    (d,) = s.propose([3])
+    assert d.token_ids[:2] == (9, 10)
+    s.check_integrity()
+
+
+def test_entries_no_tree_holds_are_not_counted() -> None:
+    """Without the global history an entry with no group is held nowhere: it must not
+    count against the budget (it evicted the group entries that are held)."""
+    s = spec(history_token_budget=10, use_global=False, lead_in=0)
+    s.start(1, [1], group_id="A")
+    s.extend(1, [5, 6, 7])
+    s.finish(1)
+    for tid in range(2, 6):  # trajectories without a group
+        s.start(tid, [1])
+        s.extend(tid, [30 + tid, 40 + tid, 50 + tid])
+        s.finish(tid)
+    assert s.num_history_entries == 1 and s.history_tokens == 3
+    s.start(9, [5], group_id="A")
+    (d,) = s.propose([9])
+    assert d.token_ids[:2] == (6, 7)
+    s.check_integrity()
+
+
 # ------------------------------------------------------------------ bad input
 
 

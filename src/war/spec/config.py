@@ -63,7 +63,8 @@ class SpecConfig:
     * ``history_window_steps``: keep history from this many most recent RL steps
       (``None``: unbounded).
     * ``history_token_budget``: most tokens the history holds; the oldest entries
-      are evicted first (``None``: unbounded).
+      are evicted first, and an entry larger than the budget is not added
+      (``None``: unbounded).
     """
 
     max_depth: int = 64

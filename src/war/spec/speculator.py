@@ -208,6 +208,11 @@ class SuffixSpeculator:
         self, src: SuffixTree, src_id: int, start: int, end: int, group: Hashable | None,
         rl_step: int,
     ) -> None:
+        if group is None and not self.config.use_global:
+            return  # no tree would hold it: counted, it would evict entries that are held
+        budget = self.config.history_token_budget
+        if budget is not None and end - start > budget:
+            return  # it could never be held: inserted, it would evict the whole history
         entry_id = self._next_entry
         self._next_entry += 1
         if group is not None:
@@ -221,7 +226,6 @@ class SuffixSpeculator:
             self._global.seal(entry_id)
         self._entries[entry_id] = _Entry(group, rl_step, end - start)
         self._history_tokens += end - start
-        budget = self.config.history_token_budget
         if budget is not None:
             while self._history_tokens > budget and self._entries:
                 self._evict(next(iter(self._entries)))
