@@ -83,3 +83,14 @@ def test_gen_request_refuses_prompt_ids_that_are_not_a_sequence_of_ids(prompt_id
     with pytest.raises(ValueError, match="prompt_ids must be a sequence of token ids"):
         GenRequest("r", prompt_ids)
     assert list(GenRequest("r", [1, 2]).prompt_ids) == [1, 2]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("trajectory_id", ""), ("trajectory_id", 7), ("group_id", ""), ("group_id", ("g",)),
+    ("continues", "no"), ("continues", 1),
+])
+def test_gen_request_refuses_ids_and_flags_of_the_wrong_kind(field: str, value: Any) -> None:
+    # an empty trajectory id with continues was refused only later, as UnknownTrajectory
+    with pytest.raises(ValueError, match=field):
+        GenRequest("r", (1,), **{"trajectory_id": "t", field: value})
+    assert GenRequest("r", (1,), trajectory_id="t", group_id="g", continues=True).continues

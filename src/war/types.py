@@ -157,6 +157,14 @@ class GenRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("request_id must be a non-empty string")
+        for name in ("trajectory_id", "group_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"request {self.request_id}: {name} must be a non-empty "
+                                 f"string or None, got {value!r}")
+        if not isinstance(self.continues, bool):  # ("no" would continue)
+            raise ValueError(f"request {self.request_id}: continues must be a bool, "
+                             f"got {self.continues!r}")
         if self.continues and self.trajectory_id is None:
             raise ValueError(f"request {self.request_id}: continues needs a trajectory_id")
         # (a string has a length too, and would be taken for its characters)
