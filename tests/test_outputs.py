@@ -126,3 +126,29 @@ def test_the_report_is_on_disk_before_it_is_renamed(
     monkeypatch.setattr(os, "fsync", fsync)
     write_json(target, {"a": 1})
     assert synced == [False]  # once, on the temporary, before the rename
+
+
+def test_a_report_behind_a_link_is_written_where_the_link_points(tmp_path: Path) -> None:
+    real = tmp_path / "results" / "r.json"
+    real.parent.mkdir()
+    real.write_text("old\n")
+    link = tmp_path / "latest.json"
+    link.symlink_to(real)
+    write_json(link, {"x": 1})
+    assert link.is_symlink() and json.loads(real.read_text()) == {"x": 1}
+
+
+def test_the_umask_is_read_without_changing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from war import outputs
+
+    umask = os.umask(0o027)
+    try:
+        calls: list[int] = []
+        real_umask = os.umask
+        monkeypatch.setattr(os, "umask", lambda m: calls.append(m) or real_umask(m))
+        got = outputs._umask()
+        if Path("/proc/self/status").is_file():  # (elsewhere it must set it to read it)
+            assert calls == []
+        assert got == 0o027
+    finally:
+        os.umask(umask)

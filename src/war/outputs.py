@@ -53,6 +53,8 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Writes ``text`` (UTF-8) to ``path`` through a temporary file in the same folder,
     renamed over ``path``: ``path`` holds either its old content or all of ``text``."""
     p = Path(path)
+    if p.is_symlink():  # the file it points to is written (the link stays a link)
+        p = Path(os.path.realpath(p))
     p.parent.mkdir(parents=True, exist_ok=True)
     # the name is cut so that the temporary's fits where the target's does (255 bytes)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name[:32]}.", suffix=".tmp", dir=p.parent)
@@ -77,6 +79,15 @@ def write_json(path: str | os.PathLike[str], obj: Any, indent: int | None = 1) -
 
 
 def _umask() -> int:
+    """The process's umask: read where the system tells it (Linux), since setting it
+    to read it back changes it, for a moment, for every thread's new files."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
