@@ -234,3 +234,34 @@ def test_a_lone_surrogate_is_refused_naming_the_trajectory(tmp_path: Path) -> No
     with pytest.raises(ValueError, match=f"trajectory {bad.trajectory_id}"):
         write_parquet([bad], tmp_path / "bad.parquet")
     assert not (tmp_path / "bad.parquet").exists()
+
+
+def test_a_step_reads_only_the_lines_of_its_own_trajectories(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's file holds every step's trajectories; a step decodes only the lines that
+    hold its ids' common start (as the writer encodes it), and gets the same result."""
+    from war.rollout import driver, trajectory
+
+    path = tmp_path / "trajectories.jsonl"
+    odd = 'step4/"q"\\é/'  # an id start that JSON escapes
+    written = [make(i, trajectory_id=f"step{i % 3}/t{i}", rl_step=i % 3) for i in range(9)]
+    written += [make(9, trajectory_id=odd + "0", rl_step=4),
+                make(10, trajectory_id=odd + "1", rl_step=4, finish_reason="error",
+                     error="replica died")]
+    with JsonlWriter(path) as w:
+        for t in written:
+            w.append(t)
+    decoded: list[bytes] = []
+    real = trajectory._decode_line
+    monkeypatch.setattr(trajectory, "_decode_line", lambda line: decoded.append(line)
+                        or real(line))
+    wanted = [f"step1/t{i}" for i in (1, 4, 7)]
+    got = driver.reusable(path, wanted)
+    assert sorted(got) == wanted and got["step1/t4"] == written[4]
+    assert len(decoded) == 3  # not the other steps' six
+    decoded.clear()
+    assert list(driver.reusable(path, [odd + "0", odd + "1"])) == [odd + "0"]  # (failed: redone)
+    assert len(decoded) == 2
+    assert read_jsonl(path, b"step2/") == [written[i] for i in (2, 5, 8)]
+    assert driver.reusable(path, []) == {}
+    assert len(driver.reusable(path, ["step0/t0", "step2/t2"])) == 2  # (no common start)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,7 +81,16 @@ def reusable(output: str | Path, ids: Collection[str]) -> dict[str, Trajectory]:
     if not Path(output).exists():
         return {}
     wanted = set(ids)
-    return {t.trajectory_id: t for t in read_jsonl(output)
+    if not wanted:
+        return {}
+    # Only lines holding the ids' common start (a step's "step3/") are decoded, as the
+    # writer encodes it; a line that encodes it otherwise is run again, not lost.
+    low, high = min(wanted), max(wanted)  # (every id lies between: their common start)
+    n = next((i for i, (a, b) in enumerate(zip(low, high, strict=False)) if a != b),
+             min(len(low), len(high)))
+    prefix = low[:n]
+    containing = json.dumps(prefix, ensure_ascii=False)[1:-1].encode() if prefix else None
+    return {t.trajectory_id: t for t in read_jsonl(output, containing)
             if t.trajectory_id in wanted and t.finish_reason != "error"}
 
 

@@ -415,15 +415,20 @@ class JsonlWriter:
         self.close()
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> list[Trajectory]:
+def read_jsonl(path: str | os.PathLike[str], containing: bytes | None = None
+               ) -> list[Trajectory]:
     """The trajectories of a JSON Lines file, in file order. A trailing line that is
     partial or invalid (a crash mid-write) is skipped; an invalid line elsewhere raises
-    ValueError. A missing file raises FileNotFoundError."""
+    ValueError. A missing file raises FileNotFoundError. With ``containing``, only the
+    lines holding those bytes are read (decoding is most of the time: a run's file
+    holds every step's trajectories, and a step looks for its own)."""
     data = Path(path).read_bytes()
     lines = data.split(b"\n")
     complete, tail = lines[:-1], lines[-1]  # tail: after the last newline ("" if none)
     out: list[Trajectory] = []
     for i, line in enumerate(complete):
+        if containing is not None and containing not in line:
+            continue
         try:
             out.append(_decode_line(line))
         except ValueError as exc:
