@@ -1,6 +1,8 @@
 // Python bindings of the native core (module war.spec._C). The only Python
-// module that imports it is war/spec/tree.py, which validates every input:
-// these bindings assume well-formed arrays and ids.
+// module that imports it is war/spec/tree.py, which validates every input with
+// its own messages; these bindings still refuse what would break memory safety
+// (negative token ids, None trees, a depth beyond the limit, mutating a tree
+// that a call without the GIL reads).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
@@ -10,6 +12,8 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -49,6 +53,52 @@ nb::object packed(std::initializer_list<const std::vector<T>*> parts) {
 }
 
 using Alpha = nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+constexpr int32_t kMaxDepth = 4096;  // war.spec.config.MAX_DEPTH
+
+// A mutation of a tree that a call running without the GIL (another thread) reads
+// would free what that call reads.
+void check_unpinned(const war::SuffixTree& t) {
+  if (t.pinned())
+    throw std::runtime_error("suffix tree is in use by a call running without the GIL");
+}
+
+// Pins trees for the length of a call (unpinned in the destructor, with the GIL held).
+class Pins {
+ public:
+  explicit Pins(std::vector<const war::SuffixTree*> trees) : trees_(std::move(trees)) {
+    for (const auto* t : trees_) t->pin();
+  }
+  ~Pins() {
+    for (const auto* t : trees_) t->unpin();
+  }
+  Pins(const Pins&) = delete;
+  Pins& operator=(const Pins&) = delete;
+
+ private:
+  std::vector<const war::SuffixTree*> trees_;
+};
+
+// The trees of a sequence argument. `keep` takes a tuple of them, which holds
+// them for the call: another thread may empty the caller's list while the GIL is
+// released.
+std::vector<const war::SuffixTree*> trees_of(nb::handle seq, const char* what,
+                                             nb::object* keep) {
+  PyObject* t = PySequence_Tuple(seq.ptr());
+  if (t == nullptr) throw nb::python_error();
+  *keep = nb::steal(t);
+  const Py_ssize_t n = PyTuple_GET_SIZE(t);
+  std::vector<const war::SuffixTree*> out(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    nb::handle h = PyTuple_GET_ITEM(t, i);
+    if (!nb::isinstance<war::SuffixTree>(h) || !nb::inst_ready(h))
+      throw nb::type_error((std::string("propose_batch: ") + what +
+                            " must hold SuffixTree objects, got " + Py_TYPE(h.ptr())->tp_name)
+                               .c_str());
+    out[static_cast<size_t>(i)] = nb::inst_ptr<war::SuffixTree>(h);
+  }
+  return out;
+}
 
 // `alpha` holds one smoothing value per trie depth 0..max_depth (checked by the caller).
 war::SpecParams make_params(int32_t max_tokens, double factor, double offset, double min_prob,
@@ -92,15 +142,17 @@ class Buf {
   Buf(nb::handle o, const char* what) {
     if (PyObject_GetBuffer(o.ptr(), &view_, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
       throw nb::python_error();
-    held_ = true;
     const char* f = view_.format != nullptr ? view_.format : "B";
     if (*f == '<' || *f == '=' || *f == '@') ++f;
     // Floats 'e', 'f', 'd'; signed integers 'b', 'h', 'i', 'l', 'q'.
     const bool kind_ok = std::is_floating_point_v<T> ? std::strchr("efd", *f) != nullptr
                                                      : std::strchr("bhilq", *f) != nullptr;
     if (view_.ndim != 1 || view_.itemsize != static_cast<Py_ssize_t>(sizeof(T)) ||
-        *f == '\0' || !kind_ok || f[1] != '\0')
+        *f == '\0' || !kind_ok || f[1] != '\0') {
+      PyBuffer_Release(&view_);  // (no destructor runs for a constructor that throws)
       throw std::invalid_argument(std::string("make_drafts: ") + what + " has the wrong type");
+    }
+    held_ = true;
   }
   ~Buf() {
     if (held_) PyBuffer_Release(&view_);
@@ -125,6 +177,8 @@ nb::list make_drafts(nb::handle draft_type, nb::tuple fields, nb::tuple source_n
                      nb::handle match_lens_) {
   if (!PyType_Check(draft_type.ptr()) || fields.size() != 6)
     throw std::invalid_argument("make_drafts: a type and its six field names expected");
+  if (reinterpret_cast<PyTypeObject*>(draft_type.ptr())->tp_new == nullptr)
+    throw nb::type_error("make_drafts: draft_type cannot be instantiated");
   const Buf<int32_t> tokens(token_ids, "token_ids"), parents(parents_, "parents");
   const Buf<double> probs(probs_, "probs"), scores(scores_, "scores");
   const Buf<int64_t> offsets(offsets_, "offsets");
@@ -174,14 +228,29 @@ NB_MODULE(_C, m) {
   m.doc() = "WAR native core: suffix trees for speculative drafting";
 
   nb::class_<war::SuffixTree>(m, "SuffixTree")
-      .def(nb::init<int32_t>(), "max_depth"_a)
+      .def("__init__",
+           [](war::SuffixTree* t, int32_t max_depth) {
+             // (each sequence holds max_depth pointers while it grows)
+             if (max_depth > kMaxDepth)
+               throw std::invalid_argument("max_depth must be <= " + std::to_string(kMaxDepth));
+             new (t) war::SuffixTree(max_depth);
+           },
+           "max_depth"_a)
       .def_prop_ro("max_depth", &war::SuffixTree::max_depth)
       .def_prop_ro("num_seqs", &war::SuffixTree::num_seqs)
       .def_prop_ro("num_nodes", &war::SuffixTree::num_nodes)
       .def_prop_ro("num_tokens", &war::SuffixTree::num_tokens)
       .def("append",
            [](war::SuffixTree& t, int64_t seq_id, Tokens tokens) {
-             t.append(seq_id, tokens.data(), tokens.shape(0));
+             check_unpinned(t);
+             const int32_t* p = tokens.data();
+             const size_t n = tokens.shape(0);
+             // -1 marks an empty slot of the child index (flat_index.h)
+             for (size_t i = 0; i < n; ++i)
+               if (p[i] < 0)
+                 throw std::invalid_argument("token id " + std::to_string(p[i]) +
+                                             " is out of range [0, 2147483647]");
+             t.append(seq_id, p, n);
            },
            "seq_id"_a, "tokens"_a)
       // A list or tuple of Python ints, read without a NumPy array: the few tokens
@@ -190,6 +259,7 @@ NB_MODULE(_C, m) {
       // caller then takes the validating path, which names the problem.
       .def("append_ints",
            [](war::SuffixTree& t, int64_t seq_id, nb::handle tokens) {
+             check_unpinned(t);
              PyObject* seq = tokens.ptr();
              if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) return false;
              const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -214,10 +284,25 @@ NB_MODULE(_C, m) {
              return true;
            },
            "seq_id"_a, "tokens"_a)
-      .def("append_from", &war::SuffixTree::append_from, "seq_id"_a, "other"_a, "other_id"_a,
-           "start"_a, "end"_a)
-      .def("seal", &war::SuffixTree::seal, "seq_id"_a)
-      .def("remove", &war::SuffixTree::remove, "seq_id"_a)
+      .def("append_from",
+           [](war::SuffixTree& t, int64_t seq_id, const war::SuffixTree& other, int64_t other_id,
+              int64_t start, int64_t end) {
+             check_unpinned(t);
+             t.append_from(seq_id, other, other_id, start, end);
+           },
+           "seq_id"_a, "other"_a, "other_id"_a, "start"_a, "end"_a)
+      .def("seal",
+           [](war::SuffixTree& t, int64_t seq_id) {
+             check_unpinned(t);
+             t.seal(seq_id);
+           },
+           "seq_id"_a)
+      .def("remove",
+           [](war::SuffixTree& t, int64_t seq_id) {
+             check_unpinned(t);
+             t.remove(seq_id);
+           },
+           "seq_id"_a)
       .def("contains", &war::SuffixTree::contains, "seq_id"_a)
       .def("seq_len", &war::SuffixTree::seq_len, "seq_id"_a)
       .def("sequence",
@@ -246,6 +331,7 @@ NB_MODULE(_C, m) {
               double offset, double min_prob, bool tree, Alpha alpha) {
              check_alpha(alpha, t);
              war::DraftResult d;
+             const Pins pins({&t});
              {
                nb::gil_scoped_release release;
                d = t.speculate(ctx.data(), ctx.shape(0),
@@ -272,12 +358,14 @@ NB_MODULE(_C, m) {
 
   m.def(
       "propose_batch",
-      [](const std::vector<const war::SuffixTree*>& locals, Ids seq_ids,
-         const std::vector<const war::SuffixTree*>& groups, const war::SuffixTree* global,
+      [](nb::handle locals_, Ids seq_ids, nb::handle groups_, const war::SuffixTree* global,
          nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> budgets,
          int32_t max_tokens, double factor, double offset, double min_prob, bool tree,
          Alpha alpha_group, Alpha alpha_local, Alpha alpha_global, double group_weight,
          bool merge, double merge_threshold, double merge_min_prob) {
+        nb::object keep_locals, keep_groups;
+        const std::vector<const war::SuffixTree*> locals = trees_of(locals_, "locals", &keep_locals);
+        const std::vector<const war::SuffixTree*> groups = trees_of(groups_, "groups", &keep_groups);
         const size_t n = locals.size();
         if (seq_ids.shape(0) != n || groups.size() != n || budgets.shape(0) != n)
           throw std::invalid_argument("propose_batch: argument lengths differ");
@@ -297,6 +385,10 @@ NB_MODULE(_C, m) {
         mp.enabled = merge;
         mp.threshold = merge_threshold;
         mp.min_prob = merge_min_prob;
+        std::vector<const war::SuffixTree*> read(locals);
+        read.insert(read.end(), groups.begin(), groups.end());
+        if (global != nullptr) read.push_back(global);
+        const Pins pins(std::move(read));
         war::BatchResult r;
         {
           nb::gil_scoped_release release;

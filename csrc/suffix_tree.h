@@ -150,6 +150,13 @@ class SuffixTree {
   // Throws std::logic_error describing the first broken invariant.
   void check_integrity() const;
 
+  // Held by a call that reads the tree without the GIL; bindings.cc refuses to
+  // mutate a pinned tree (a mutation would free what that call reads). Changed
+  // only with the GIL held.
+  void pin() const { ++pins_; }
+  void unpin() const { --pins_; }
+  bool pinned() const { return pins_ != 0; }
+
  private:
   struct Slot {
     int64_t id = -1;
@@ -233,6 +240,7 @@ class SuffixTree {
   uint32_t removing_slot_ = UINT32_MAX;  // slot being removed: its tokens stay until the end
   size_t num_nodes_ = 0;
   int64_t num_tokens_ = 0;
+  mutable int64_t pins_ = 0;
 };
 
 }  // namespace war
