@@ -75,8 +75,16 @@ class EngineConfig:
         if isinstance(self.kv_hold_s, bool) or not isinstance(self.kv_hold_s, (int, float)) \
                 or not 0 <= self.kv_hold_s < float("inf"):
             raise ValueError(f"kv_hold_s must be a number >= 0, got {self.kv_hold_s!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_model_len is not None and (
+            isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int)
+            or self.max_model_len < 2
+        ):
+            raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")
+        for name in ("enable_prefix_cache", "admit_whole_prompt"):
+            if not isinstance(getattr(self, name), bool):  # ("no" would be true)
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.spec, SpecConfig):
+            raise ValueError(f"spec must be a SpecConfig, got {self.spec!r}")
         if self.spec_mode not in SPEC_MODES:
             raise ValueError(f"spec_mode must be one of {SPEC_MODES}, got {self.spec_mode!r}")
         if self.dtype not in DTYPES:

@@ -112,6 +112,7 @@ class Engine:
         self.weight_version = 0
         self._generator = torch.Generator().manual_seed(cfg.seed)
         self._seqs: dict[str, Sequence] = {}
+        self._done: list[Sequence] = []  # done in a step that raised, not finished yet
         self._arrivals = 0
         # The most recent steps, for timelines and reports (bounded).
         self.timeline: collections.deque[StepRecord] = collections.deque(maxlen=200_000)
@@ -303,6 +304,10 @@ class Engine:
 
     def step(self) -> list[GenResult]:
         """Runs one forward pass over the scheduled batch; returns finished requests."""
+        if self._done:  # requests done in a step that raised later
+            late, self._done = self._done, []
+            return [self._finish(s, commit=True) for s in late
+                    if self._seqs.get(s.request_id) is s]
         t0 = self._clock()
         sched = self.scheduler.schedule(t0)
         self.stats.num_preemptions += len(sched.preempted)
@@ -325,20 +330,28 @@ class Engine:
         verified = verify_batch(logits, trees, [p.seq.request.sampling for p in sampling],
                                 [p.seq.generator for p in sampling])
         outcome = dict(zip((id(p) for p in sampling), verified, strict=True))
-        finished: list[GenResult] = []
         verified_probs: list[np.ndarray] = []  # the step's draft tokens, all sequences
         verified_ok: list[np.ndarray] = []
-        for plan in plans:
-            res = self._postprocess(plan, outcome.get(id(plan)), verified_probs, verified_ok)
-            if res is not None:
-                finished.append(res)
+        done: list[Sequence] = []
+        try:
+            for plan in plans:
+                if self._postprocess(plan, outcome.get(id(plan)), verified_probs, verified_ok):
+                    done.append(plan.seq)
+        except BaseException:
+            # Finished only once the whole step applies: a request whose result the
+            # raise would lose must not commit its turn (its trajectory, its KV hold).
+            # The next step returns it, unless it is aborted first.
+            self._done.extend(done)
+            raise
+        finished = [self._finish(seq, commit=True) for seq in done]
         if verified_probs:  # the calibration learns from the whole step at once
             self.policy.observe_verification(np.concatenate(verified_probs),
                                              np.concatenate(verified_ok))
         elapsed = self._clock() - t0
         batch_tokens = sum(p.num_new for p in plans)
         num_drafts = sum(len(p.draft_tokens) for p in plans)
-        self.policy.observe_step(batch_tokens, context + num_drafts, elapsed)
+        if elapsed > 0:  # a clock that did not advance (or went back) measured nothing
+            self.policy.observe_step(batch_tokens, context + num_drafts, elapsed)
         st = self.stats
         st.num_steps += 1
         st.total_step_s += elapsed
@@ -418,18 +431,44 @@ class Engine:
         return SeqInput(tokens, positions, new_slots, cached_slots, parents, plan.num_logits)
 
     def _postprocess(self, plan: _Plan, ver: Verified | None, verified_probs: list[np.ndarray],
-                     verified_ok: list[np.ndarray]) -> GenResult | None:
-        """Applies a sequence's step outcome; its draft tokens' predicted probabilities
-        and acceptance are appended to ``verified_probs`` and ``verified_ok``."""
+                     verified_ok: list[np.ndarray]) -> bool:
+        """Applies a sequence's step outcome; True when the request is done (its
+        ``finish_reason`` is set; the caller finishes it). Its draft tokens' predicted
+        probabilities and acceptance are appended to ``verified_probs`` and
+        ``verified_ok``. What may raise (the KV copy, the detokenizer, the speculator)
+        runs before the sequence changes, so that an error leaves its tokens, KV and
+        draft tree in step: as before this step, to be computed again."""
         seq = plan.seq
         if ver is None:  # a prefill chunk that does not reach the end yet
             seq.num_computed += plan.num_new
             self.scheduler.publish(seq)
-            return None
+            return False
         sp = seq.request.sampling
         start = seq.num_computed  # the first fed token's position
         k = len(plan.draft_tokens)
         m = len(ver.accepted)
+        tokens, logprobs, stopped = truncate(
+            list(ver.tokens), list(ver.logprobs), sp.stop_token_ids, sp.max_tokens - seq.num_output)
+        if sp.stop:
+            # Even when a stop token ended the step's tokens: with drafts one step emits
+            # several, and a stop string may complete before that token. The first cut
+            # wins, as decoding token by token would have found it first.
+            out = seq.output_ids
+            out.extend(tokens)
+            cut = self._stop_string_cut(out, len(tokens), sp.stop)
+            if cut is not None:
+                tokens, logprobs = tokens[:cut], logprobs[:cut]
+                stopped = True
+        if m:
+            # Move accepted tree nodes' KV to the positions they now hold (slots past
+            # what the sequence has computed: harmless should a later call raise).
+            pos0 = start + 1
+            src = [pos0 + a for a in ver.accepted]
+            dst = [pos0 + j for j in range(m)]
+            if src != dst:
+                self.kv.copy_slots(self._slots(seq, src), self._slots(seq, dst))
+        if tokens:
+            self.drafts.extend(seq.spec_id, tokens)
         if k:
             accepted = np.zeros(k, dtype=bool)
             accepted[list(ver.accepted)] = True
@@ -439,49 +478,25 @@ class Engine:
             seq.num_accepted_tokens += m
             self.stats.num_draft_tokens += k
             self.stats.num_accepted_tokens += m
-            # Move accepted tree nodes' KV to the positions they now hold.
-            pos0 = start + 1
-            src = [pos0 + a for a in ver.accepted]
-            dst = [pos0 + j for j in range(m)]
-            if src != dst:
-                self.kv.copy_slots(self._slots(seq, src), self._slots(seq, dst))
-        tokens, logprobs, stopped = truncate(
-            list(ver.tokens), list(ver.logprobs), sp.stop_token_ids, sp.max_tokens - seq.num_output)
         fed_end = start + plan.num_new - k  # positions < fed_end have KV now
         seq.num_computed = fed_end + min(len(tokens), m)
         seq.token_ids.extend(tokens)
         seq.logprobs.extend(logprobs)
-        if sp.stop:
-            # Even when a stop token ended the step's tokens: with drafts one step emits
-            # several, and a stop string may complete before that token. The first cut
-            # wins, as decoding token by token would have found it first.
-            cut = self._stop_string_cut(seq, len(tokens))
-            if cut is not None:
-                drop = len(tokens) - cut
-                if drop:
-                    del seq.token_ids[-drop:]
-                    del seq.logprobs[-drop:]
-                    tokens = tokens[:cut]
-                seq.num_computed = min(seq.num_computed, seq.num_tokens)
-                stopped = True
         seq.num_forward_passes += 1
         self.stats.num_decode_passes += 1
         self.stats.num_generated_tokens += len(tokens)
-        if tokens:
-            self.drafts.extend(seq.spec_id, tokens)
         self.scheduler.trim(seq, seq.num_tokens)
         self.scheduler.publish(seq)
         if stopped or seq.num_output >= sp.max_tokens:
             seq.finish_reason = "stop" if stopped else "length"
-            return self._finish(seq, commit=True)
-        return None
+            return True
+        return False
 
-    def _stop_string_cut(self, seq: Sequence, num_new: int) -> int | None:
-        """How many of the ``num_new`` newest tokens to keep if a stop string
-        completed among them (None: no stop string)."""
+    def _stop_string_cut(self, out: list[int], num_new: int, stops: tuple[str, ...]
+                         ) -> int | None:
+        """How many of the ``num_new`` newest tokens of the output ``out`` to keep if a
+        stop string completed among them (None: no stop string)."""
         assert self.tokenizer is not None
-        out = seq.output_ids
-        stops = seq.request.sampling.stop
         if not any(s in self.tokenizer.decode(out) for s in stops):
             return None
         base = len(out) - num_new
