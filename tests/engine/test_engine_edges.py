@@ -129,3 +129,15 @@ def test_a_clock_that_does_not_advance_during_a_step() -> None:
 def test_engine_config_refuses_settings_of_the_wrong_type(settings: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=next(iter(settings))):
         EngineConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_prompt_ids_that_are_not_ints_are_named_as_such() -> None:
+    import numpy as np
+
+    engine = _engine(FlakyTokenizer())
+    for bad in (np.int64(3), True, 2.0):
+        with pytest.raises(ValueError, match=r"prompt_ids\[1\] = .* is not an int"):
+            engine.add_request(GenRequest("r", (1, bad, 2)))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="token id 10000 outside the vocabulary"):
+        engine.add_request(GenRequest("r", (1, 10000)))
+    assert not engine.has_unfinished()

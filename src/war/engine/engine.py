@@ -183,8 +183,11 @@ class Engine:
         vocab = self.model_config.vocab_size
         bad = _outside_vocab(request.prompt_ids, vocab, (int,))
         if bad is not None:
-            raise ValueError(f"request {rid}: token id {request.prompt_ids[bad]!r} outside "
-                             f"the vocabulary [0, {vocab})")
+            tok = request.prompt_ids[bad]
+            if isinstance(tok, bool) or not isinstance(tok, int):  # (numpy ints read "outside")
+                raise ValueError(f"request {rid}: prompt_ids[{bad}] = {tok!r} is not an int")
+            raise ValueError(f"request {rid}: token id {tok!r} outside the vocabulary "
+                             f"[0, {vocab})")
         sp = request.sampling
         for t in sp.stop_token_ids:
             if t >= vocab:
