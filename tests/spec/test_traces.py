@@ -229,6 +229,15 @@ def test_records_split_only_at_newlines(tmp_path: Path) -> None:
     assert recs[0].messages[0].content == content
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(record()) + "\n").encode())
+    assert [r.line for r in load_records([path])] == [1]
+    gz = tmp_path / "bom.jsonl.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    assert len(load_records([gz])) == 1
+
+
 def test_corrupt_gzip_and_bad_arguments_are_value_errors(tmp_path: Path) -> None:
     data = gzip.compress((json.dumps(record()) + "\n").encode())
     bad = tmp_path / "x.jsonl.gz"

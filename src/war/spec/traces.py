@@ -244,7 +244,7 @@ def _read_text(path: Traversable, name: str) -> str:
         except (OSError, EOFError, zlib.error) as e:
             raise ValueError(f"{name}: not a valid gzip file: {e}") from None
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")  # (a byte-order mark, as some editors write, is not text)
     except UnicodeDecodeError as e:
         raise ValueError(f"{name}: not UTF-8: {e}") from None
 
