@@ -286,6 +286,7 @@ def test_metrics_and_load() -> None:
                  "war_router_failed_total 0.0", "war_router_retries_total",
                  "war_router_migrations_total", "war_router_resent_contexts_total",
                  "war_router_history_forwarded_total", "war_router_contexts_dropped_total 0.0",
+                 "war_router_trajectories_released_total 0.0",
                  "war_router_held_context_tokens 0.0",
                  'war_router_replica_requests_in_flight{replica="a"} 0.0',
                  'war_router_replica_tokens_in_flight{replica="b"} 0.0',

@@ -51,6 +51,8 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Completed responses forwarded to other replicas' speculators."),
     ("war_router_replicas_marked_down", "replicas_marked_down",
      "Times a replica was marked down."),
+    ("war_router_trajectories_released", "trajectories_released",
+     "Ended trajectories reported to the replica holding them."),
 )
 
 # (name, key of the replica's row in ``Router.fleet_load()``, help, kind)
