@@ -40,9 +40,9 @@ class SpecConfig:
       docs/suffix-speculation.md); ``"merge"`` merges every source's tree draft by
       token path, a path's value being the noisy-or of the sources' probabilities
       for it (section 6). ``"merge"`` proposes more accepted tokens per step at
-      about the same draft length (``benchmarks/spec``: +2-4% tokens/step on both
+      about the same draft length (``benchmarks/spec``: +1-3% tokens/step on both
       trace files and orders, chains and trees) but drafts every source in full,
-      about 1.2-1.6x the proposal time of ``"best"``, so it is not the default.
+      1.1-1.6x the batched proposal time of ``"best"``, so it is not the default.
     * ``merge_threshold``: with ``"merge"``, the merged value a draft token needs
       (tuned: 0.36 for chains, 0.38 in ``tree_preset``).
     * ``merge_min_prob``: with ``"merge"``, the ``min_prob`` of each source's tree
