@@ -301,8 +301,7 @@ def run_once(setup: Setup, settings: BenchSettings, load: str,
         pages = [scrape(f"http://127.0.0.1:{settings.port_base + 1 + i}/metrics")
                  for i in range(settings.run.replicas)]
     finally:
-        for s in reversed(servers):
-            s.stop()
+        stop_all(servers)
     fig = figures(load, str(setup.key), repeat, trajs)
     extra = engine_figures(setup.engine, pages)
     extra["startup_s"] = startup_s
@@ -318,6 +317,19 @@ def run_once(setup: Setup, settings: BenchSettings, load: str,
     extra["replica_busy"] = (extra["replica_cpu_s"] / (settings.run.replicas * wall)
                              if wall > 0 else 0.0)
     return fig, extra
+
+
+def stop_all(servers: Sequence[Service]) -> None:
+    """Stops every server, last first, even when stopping one fails or is interrupted;
+    then raises the first such error."""
+    error: BaseException | None = None
+    for s in reversed(servers):
+        try:
+            s.stop()
+        except BaseException as exc:  # raised below, once all are stopped
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 # ---------------------------------------------------------------- the bench
@@ -495,9 +507,11 @@ def main(argv: list[str] | None = None) -> int:
             or args.low_in_flight < 1:
         p.error("--repeats, --steps, --tasks, --low-tasks and --low-in-flight must be >= 1")
     try:
-        json.loads(args.suffix_config)
+        suffix = json.loads(args.suffix_config)
     except json.JSONDecodeError as exc:
         p.error(f"--suffix-config is not JSON: {exc}")
+    if not isinstance(suffix, dict):  # vLLM's --speculative-config takes an object
+        p.error(f"--suffix-config must be a JSON object, got {args.suffix_config!r}")
     try:
         make_policy("war", **json.loads(args.war_policy))
     except (json.JSONDecodeError, TypeError, ValueError) as exc:
@@ -509,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
                 else f"--model folder not found: {args.model}")
     if args.model is not None and not (args.model / "config.json").is_file():
         p.error(f"--model {args.model} has no config.json (not a Hugging Face model folder)")
+    if args.markdown is not None and args.markdown.resolve() == args.json.resolve():
+        p.error(f"--markdown {args.markdown} is the --json file: the tables would replace "
+                "the report")
     ports = used_ports(args.port_base, REPLICAS, keys)
     if args.port_base < 1 or ports[-1] > 65535:
         p.error(f"--port-base {args.port_base}: configurations {keys} listen on ports "
@@ -522,6 +539,10 @@ def main(argv: list[str] | None = None) -> int:
                         seed=args.seed, agent=AgentConfig())
     except ValueError as exc:
         p.error(str(exc))
+    pool = len(task_pool(run))  # every step's tasks at both loads are drawn from it
+    if args.low_tasks > pool:
+        p.error(f"--low-tasks ({args.low_tasks}) must be at most the task pool's {pool} "
+                f"tasks (twice --tasks)")
     settings = BenchSettings(run=run, model=Path(model), low_tasks=args.low_tasks,
                              low_in_flight_per_replica=args.low_in_flight,
                              repeats=args.repeats, port_base=args.port_base,
@@ -539,4 +560,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (ValueError, OSError, RuntimeError) as e:  # e.g. a server that did not start
+        sys.exit(f"bench_e2e: error: {e}")

@@ -84,11 +84,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # checked before any work: the trace model may take minutes to train first
     if args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
+    # the prompts' seeded draw refuses a negative seed, after the model is trained
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
+    inputs = args.traces or find_traces(Path(__file__).resolve().parent)
+    if args.json is not None and any(args.json.resolve() == t.resolve() for t in inputs):
+        p.error(f"--json {args.json} is one of the --traces: the report would replace it")
     try:
-        bench_config(args)
+        config = bench_config(args)
     except ValueError as e:  # the config names its fields: name the options instead
         p.error(re.sub(r"\b(" + "|".join(FLAGS) + r")\b", lambda m: FLAGS[m.group(1)],
                        str(e)))
+    # the cached trace models' context (both recipes'): a prompt and max_tokens must fit
+    context = TraceModelConfig.max_position_embeddings
+    if args.model is None and config.max_tokens >= context:
+        p.error(f"--max-tokens must be < {context} (the trace model's context), "
+                f"got {config.max_tokens}")
     return args
 
 
@@ -142,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
     stop_id = tokenizer.token_to_id(IM_END)
     assert stop_id is not None
     room = model.config.max_position_embeddings - config.max_tokens
+    if room < 1:  # refused now, not by the engine after the cost curve
+        raise ValueError(f"--max-tokens {config.max_tokens} leaves no room for a prompt in "
+                         f"the model's context ({model.config.max_position_embeddings})")
     if config.max_prompt_tokens > room:  # the prompt's tail must fit the model's context
         config = dataclasses.replace(config, max_prompt_tokens=max(room, 1))
     prompts = build_prompts(load_records(traces), tokenizer, config.max_num_tasks,

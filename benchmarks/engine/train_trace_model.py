@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from war.engine.bench import STAMP_FILE, TraceModelConfig, ensure_trace_model, find_traces
+from war.outputs import check_output_dir
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / ".cache" / "war" / "trace-model"
@@ -40,7 +41,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=TraceModelConfig.threads)
     p.add_argument("--traces", nargs="+", type=Path, metavar="FILE",
                    help="trace JSONL files (default: shared/data/traces/*.jsonl)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # checked before training (minutes): the recipe refuses bad values with a traceback,
+    # a missing trace file fails on hashing, and an --out that is a file on the rename
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
+    try:
+        recipe(args)
+    except ValueError as e:
+        p.error(f"--{str(e).replace('_', '-')}")
+    missing = [t for t in args.traces or () if not t.is_file()]
+    if missing:
+        p.error(f"--traces: no such file {missing[0]}")
+    try:
+        check_output_dir(args.out, "--out")
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def recipe(args: argparse.Namespace) -> TraceModelConfig:
+    return TraceModelConfig(steps=args.steps, minutes=args.minutes, seed=args.seed,
+                            threads=args.threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     traces = sorted(args.traces) if args.traces else find_traces(Path(__file__).resolve().parent)
     if not traces:
         sys.exit("train_trace_model: no shared/data/traces/*.jsonl found; pass --traces FILE ...")
-    config = TraceModelConfig(steps=args.steps, minutes=args.minutes, seed=args.seed,
-                              threads=args.threads)
+    config = recipe(args)
     t0 = time.perf_counter()
     built = ensure_trace_model(args.out, traces, config,
                                log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-policies", action="store_true", help="skip the policies measurement")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.no_rps and args.no_policies:  # a report without a figure, and exit 0
+        p.error("--no-rps and --no-policies together leave nothing to measure")
     try:  # the configs check every value: refuse a bad one now, not as a traceback
         configs(args)
     except ValueError as e:
@@ -137,4 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (OSError, RuntimeError) as e:  # e.g. a replica or router that did not start
+        sys.exit(f"bench_router: error: {e}")

@@ -71,6 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag in ("drafts", "contexts"):
         if any(v < 0 for v in getattr(args, flag)):
             p.error(f"--{flag} must be >= 0, got {getattr(args, flag)}")
+    # a shape listed twice would be measured twice per pass: its record would hold twice
+    # the passes it says
+    for flag in ("batches", "drafts", "contexts"):
+        values = getattr(args, flag)
+        if len(set(values)) != len(values):
+            p.error(f"--{flag} must be distinct, got {values}")
     if not 0 <= args.seed < 2**63:
         p.error(f"--seed must be in [0, 2**63), got {args.seed}")
     return args
@@ -78,7 +84,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return run(args)
+    finally:  # the caller's setting again (main may run in a test's process)
+        torch.set_num_threads(threads)
+
+
+def run(args: argparse.Namespace) -> int:
     recipe = TraceModelConfig()
     config = recipe.model_config(eos_id=0, pad_id=0)
     model = init_random(config, args.seed)

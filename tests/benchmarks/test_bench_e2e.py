@@ -5,13 +5,15 @@ and WAR's own configuration run end to end on ``war serve`` replicas (slow)."""
 from __future__ import annotations
 
 import json
+import runpy
 import socket
+import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-from bench_scripts import load_benchmark, usage_error
+from bench_scripts import BENCHMARKS, load_benchmark, usage_error
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +93,10 @@ def test_bad_arguments_are_refused(bench: ModuleType, tmp_path: Path, argv: list
     (["--port-base", "65534"], "--port-base 65534: configurations [4] listen on ports "
                                "65535-65536"),
     (["--log-dir", "{tmp}/file"], "--log-dir {tmp}/file exists and is not a folder"),
+    (["--markdown", "{tmp}/o.json"], "--markdown {tmp}/o.json is the --json file"),
+    (["--suffix-config", "[16]"], "--suffix-config must be a JSON object, got '[16]'"),
+    (["--tasks", "1", "--low-tasks", "3"], "--low-tasks (3) must be at most the task pool's "
+                                           "2 tasks"),
 ])
 def test_paths_and_ports_are_checked_before_any_server_starts(
         bench: ModuleType, tmp_path: Path, argv: list[str], message: str,
@@ -101,6 +107,54 @@ def test_paths_and_ports_are_checked_before_any_server_starts(
                               *(a.format(tmp=tmp_path) for a in argv)],
                       ["run_bench"], monkeypatch, capsys)
     assert f" error: {message.format(tmp=tmp_path)}" in err
+    assert not (tmp_path / "o.json").exists()
+
+
+class FakeServer:
+    """A server whose start fails (``wait_ready``) or whose stop does (``stop_error``)."""
+
+    def __init__(self, stop_error: BaseException | None = None) -> None:
+        self.stop_error = stop_error
+        self.stopped = False
+
+    def launch(self) -> None:
+        pass
+
+    def wait_ready(self, timeout_s: float) -> None:
+        raise RuntimeError("war0 exited (1)")
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.stop_error is not None:
+            raise self.stop_error
+
+
+def test_every_server_is_stopped_when_stopping_one_is_interrupted(
+        bench: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    servers = [FakeServer(), FakeServer(KeyboardInterrupt())]  # stopped last first
+    monkeypatch.setattr(bench, "replica_servers", lambda *_: list(servers))
+    settings = bench.BenchSettings(run=bench.RunConfig(), model=Path("m"), repeats=1)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_once(bench.SETUPS[4], settings, "low", [], None, 0)
+    assert all(s.stopped for s in servers)
+
+
+def test_a_server_that_fails_to_start_is_one_error_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from war.router.bench import Service
+
+    def fail(self: Service, timeout_s: float = 0.0) -> None:
+        raise RuntimeError(f"{self.name} exited (1): no such model")
+
+    # the script is run as a program: it imports these afresh, patched
+    monkeypatch.setattr(Service, "launch", lambda self: None)
+    monkeypatch.setattr(Service, "wait_ready", fail)
+    monkeypatch.setattr(sys, "argv", [
+        "bench_e2e.py", "--json", str(tmp_path / "o.json"), "--configs", "4",
+        "--loads", "low", "--repeats", "1", "--steps", "1", "--log-dir", str(tmp_path / "logs")])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(BENCHMARKS / "e2e" / "bench_e2e.py"), run_name="__main__")
+    assert e.value.code == "bench_e2e: error: war0 exited (1): no such model"
     assert not (tmp_path / "o.json").exists()
 
 

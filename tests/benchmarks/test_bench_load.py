@@ -137,6 +137,9 @@ def test_summary_finds_the_crossover() -> None:
     (["--repeats", "0"], "--repeats must be an int >= 1, got 0"),
     (["--max-tokens", "0"], "--max-tokens must be an int >= 1, got 0"),
     (["--concurrencies", "0"], "--concurrencies must be non-empty ints >= 1"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--max-tokens", "1024"], "--max-tokens must be < 1024 (the trace model's context), "
+                               "got 1024"),
 ])
 def test_bad_values_are_refused_before_the_trace_model_is_trained(
         argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
@@ -144,3 +147,30 @@ def test_bad_values_are_refused_before_the_trace_model_is_trained(
     err = usage_error(load_script(), ["--quick", *argv], ["ensure_trace_model", "load_model"],
                       monkeypatch, capsys)
     assert f" error: {message}" in err.splitlines()[-1]
+
+
+def test_a_report_over_a_trace_file_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("{}\n")
+    err = usage_error(load_script(), ["--quick", "--traces", str(trace), "--json",
+                                      str(tmp_path / "." / "t.jsonl")],
+                      ["ensure_trace_model", "load_model"], monkeypatch, capsys)
+    assert "is one of the --traces" in err.splitlines()[-1]
+    assert trace.read_text() == "{}\n"
+
+
+def test_max_tokens_past_the_models_context_fails_before_the_cost_curve(
+        tiny: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    traces, folder = tiny  # a context of 256 tokens
+    bench = load_script()
+
+    def no_work(*_: object, **__: object) -> None:
+        raise AssertionError("measured with no room for a prompt")
+
+    monkeypatch.setattr(bench, "measure_cost_curve", no_work)
+    monkeypatch.setattr(bench, "run_sweep", no_work)
+    with pytest.raises(ValueError, match="leaves no room for a prompt"):
+        bench.main(["--quick", "--model", str(folder), "--traces", str(traces),
+                    "--max-tokens", "256"])

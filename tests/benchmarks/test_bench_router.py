@@ -237,6 +237,7 @@ def test_script_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[
     (["--group-size", "0"], "--group-size must be an int >= 1, got 0"),
     (["--group-turns", "0"], "--group-turns must be >= 1"),
     (["--rl-steps", "0"], "--rl-steps must be an int >= 1, got 0"),
+    (["--no-rps", "--no-policies"], "--no-rps and --no-policies together leave nothing"),
 ])
 def test_bad_values_are_usage_errors_before_any_work(
         argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
@@ -244,3 +245,24 @@ def test_bad_values_are_usage_errors_before_any_work(
     err = usage_error(load_script(), argv, ["run_router_rps", "run_policies"], monkeypatch,
                       capsys)
     assert f" error: {message}" in err.splitlines()[-1]  # one usage line, no traceback
+
+
+def test_a_failed_run_is_one_error_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import runpy
+    import sys
+
+    from bench_scripts import BENCHMARKS
+
+    import war.router.bench
+
+    def fail(*_: object, **__: object) -> None:
+        raise RuntimeError("replica0 not ready within 120 s")
+
+    # the script is run as a program: it imports this afresh, patched
+    monkeypatch.setattr(war.router.bench, "run_policies", fail)
+    monkeypatch.setattr(sys, "argv", ["bench_router.py", "--quick", "--no-rps", "--json",
+                                      str(tmp_path / "out.json")])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(BENCHMARKS / "router" / "bench_router.py"), run_name="__main__")
+    assert e.value.code == "bench_router: error: replica0 not ready within 120 s"
+    assert not (tmp_path / "out.json").exists()

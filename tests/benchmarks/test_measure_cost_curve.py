@@ -18,6 +18,9 @@ from bench_scripts import load_benchmark, usage_error
     (["--drafts", "-1"], "--drafts must be >= 0, got [-1]"),
     (["--contexts", "128", "-5"], "--contexts must be >= 0, got [128, -5]"),
     (["--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
+    (["--batches", "1", "2", "1"], "--batches must be distinct, got [1, 2, 1]"),
+    (["--drafts", "0", "0"], "--drafts must be distinct, got [0, 0]"),
+    (["--contexts", "128", "128"], "--contexts must be distinct, got [128, 128]"),
 ])
 def test_bad_values_are_refused_before_any_work(
         tmp_path: Path, argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
@@ -27,3 +30,19 @@ def test_bad_values_are_refused_before_any_work(
                       ["init_random"], monkeypatch, capsys)
     assert err.splitlines()[-1].endswith(f" error: {message}")  # one usage line
     assert not out.exists()
+
+
+def test_the_callers_torch_threads_are_kept_when_a_run_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    script = load_benchmark("sim", "measure_cost_curve")
+
+    def fail(*_: object, **__: object) -> None:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(script, "init_random", fail)
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        script.main(["--json", str(tmp_path / "curve.json"), "--threads", str(before + 1)])
+    assert torch.get_num_threads() == before
