@@ -52,6 +52,14 @@ def test_answers_stand_in_for_both_apis(bench: ModuleType) -> None:
     asyncio.run(go())
 
 
+def test_a_last_partial_window_is_not_timed(bench: ModuleType, tmp_path: Path) -> None:
+    out = tmp_path / "cpu.json"
+    assert bench.main(["--policies", "war", "--requests", "3001", "--affinities", "0",
+                       "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["windows"] == 2  # windows 4 and 5; the one request after them is not timed
+
+
 @pytest.mark.parametrize("argv", [["--requests", "100"], ["--affinities", "1.5"],
                                   ["--policies", "nope"], ["--api", "vllm"]])
 def test_bad_arguments_are_refused(bench: ModuleType, argv: list[str]) -> None:
