@@ -433,6 +433,28 @@ def test_an_explicit_port_is_kept() -> None:
     assert WarHttpBackend("t", "https://host.example")._http._port == 443
 
 
+@pytest.mark.parametrize("url", [
+    "http://user:pw@127.0.0.1:8000",  # (the h1 pool would drop them unseen)
+    "http://127.0.0.1:8000/v1?x=1",  # (a client's URL would put the path in the query)
+    "http://127.0.0.1:8000/?",
+    "http://127.0.0.1:8000/#frag",
+])
+def test_a_base_url_with_credentials_query_or_fragment_is_refused(url: str) -> None:
+    with pytest.raises(ValueError, match=r"credentials|query or fragment"):
+        WarHttpBackend("w", url)
+    with pytest.raises(ValueError, match=r"credentials|query or fragment"):
+        OpenAICompatBackend("v", url, "m")
+
+
+@pytest.mark.parametrize("api_key", ["key\n", "key\r\nX-Injected: 1", "ke\x00y", "kéy"])
+def test_an_api_key_that_would_break_its_header_is_refused(api_key: str) -> None:
+    with pytest.raises(ValueError, match="api_key"):
+        WarHttpBackend("w", "http://127.0.0.1:8000", api_key)
+    with pytest.raises(ValueError, match="api_key"):
+        OpenAICompatBackend("v", "http://127.0.0.1:8000", "m", api_key)
+    WarHttpBackend("w", "http://127.0.0.1:8000", "sk-Abc_123.x=")  # an ordinary key
+
+
 @pytest.mark.parametrize("behaviour", ["close", "reset", "hang"])
 def test_server_dying_mid_request_is_unavailable(behaviour: str) -> None:
     with dying_server(behaviour) as url:

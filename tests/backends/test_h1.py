@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequen
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 from fastapi import FastAPI, Request
@@ -1252,3 +1253,133 @@ def test_war_http_backend_against_uvicorn(arun: Run, uvicorn_url: str) -> None:
         await backend.close()
 
     arun(go())
+
+
+# ---------------------------------------------------------------- unasked answers, size
+
+
+def _answer_then(extra: bytes, delay_s: float) -> Handler:
+    """Answers the first request, then sends ``extra`` (after ``delay_s``) as if it
+    were another answer; later requests get echoes."""
+    def handler(peer: Peer) -> None:
+        req = peer.read_request()
+        if req is None:
+            return
+        if delay_s:
+            peer.send(answer(b"one"))
+            time.sleep(delay_s)
+            peer.send(extra)
+        else:
+            peer.send(answer(b"one") + extra)
+        keepalive(lambda req: answer(b"two"))(peer)
+    return handler
+
+
+UNASKED = {
+    # the start of an answer in the same segment: the next call's answer would be
+    # read as its body
+    "partial-in-the-same-segment": (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nst", 0.0),
+    "partial-while-idle": (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nst", 0.05),
+    "whole-while-idle": (answer(b"stale"), 0.05),
+}
+
+
+@pytest.mark.parametrize(("extra", "delay_s"), UNASKED.values(), ids=list(UNASKED))
+def test_an_answer_no_call_asked_for_means_the_connection_is_not_reused(
+        arun: Run, extra: bytes, delay_s: float) -> None:
+    with RawServer(per_connection(_answer_then(extra, delay_s),
+                                  then=keepalive(lambda req: answer(b"two")))) as server:
+        async def go() -> None:
+            pool = Pool(LOCAL, server.port)
+            assert (await get(pool)).body == b"one"
+            await asyncio.sleep(delay_s + 0.1)
+            assert (await get(pool)).body == b"two"
+            pool.close()
+
+        arun(go())
+        assert server.accepted == 2
+
+
+def _endless(head: bytes, piece: bytes) -> Handler:
+    """Answers with ``head`` and then ``piece`` again and again (a bounded number of
+    times), until the client drops the connection."""
+    def handler(peer: Peer) -> None:
+        if peer.read_request() is None:
+            return
+        peer.send(head)
+        for _ in range(2000):
+            if peer.dropped.is_set():
+                return
+            try:
+                peer.sock.sendall(piece)
+            except OSError:
+                return
+    return handler
+
+
+HUGE = {
+    "content-length": _endless(b"HTTP/1.1 200 OK\r\nContent-Length: 100000000\r\n\r\n",
+                               b"x" * 1024),
+    "chunked": _endless(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                        b"400\r\n" + b"x" * 1024 + b"\r\n"),
+    "until-close": _endless(b"HTTP/1.1 200 OK\r\n\r\n", b"x" * 1024),
+    "headers": _endless(b"HTTP/1.1 200 OK\r\n", b"X-Pad: " + b"y" * 1000 + b"\r\n"),
+}
+
+
+@pytest.mark.parametrize("handler", HUGE.values(), ids=list(HUGE))
+def test_an_answer_over_max_response_bytes_fails_and_drops_the_connection(
+        arun: Run, handler: Handler) -> None:
+    with RawServer(per_connection(handler)) as server:
+        async def go() -> None:
+            pool = Pool(LOCAL, server.port, max_response_bytes=64 * 1024)
+            with pytest.raises(TransportError, match="larger than 65536 bytes"):
+                await get(pool)
+            await eventually(lambda: server.peers[0].dropped.is_set()
+                             or server.peers[0].closed)
+            # an answer within the limit, on a new connection
+            assert body_of(await get(pool))["conn"] == 1
+            pool.close()
+
+        arun(go())
+
+
+def test_max_response_bytes_is_checked() -> None:
+    with pytest.raises(ValueError, match="max_response_bytes"):
+        Pool(LOCAL, 80, max_response_bytes=0)
+
+
+def test_channel_with_a_client_bounds_the_whole_call(arun: Run) -> None:
+    """httpx's own timeouts bound each read: a server that sends a byte now and then
+    would never run out of them."""
+    def trickle(peer: Peer) -> None:
+        if peer.read_request() is None:
+            return
+        peer.send(b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\n")
+        for _ in range(40):
+            if peer.dropped.is_set():
+                return
+            peer.send(b"x")
+            time.sleep(0.05)
+
+    with RawServer(trickle) as server:
+        async def go() -> None:
+            async with httpx.AsyncClient() as client:
+                channel = HttpChannel(server.url, None, T_SHORT, T_SHORT, T_SHORT, 4, client)
+                t0 = time.monotonic()
+                with pytest.raises(ReplicaUnavailable, match="timed out"):
+                    await channel.get_json("/v1/load", "r")
+                assert time.monotonic() - t0 < 1.2
+
+        arun(go())
+
+
+def test_channel_percent_encodes_the_path_prefix(arun: Run) -> None:
+    with RawServer(keepalive()) as server:
+        async def go() -> None:
+            channel = channel_for(f"{server.url}/my models/ü/")
+            assert (await channel.get_json("/v1/load", "r"))["target"] == \
+                "/my%20models/%C3%BC/v1/load"
+            await channel.close()
+
+        arun(go())

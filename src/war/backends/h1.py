@@ -7,6 +7,8 @@ request with a whole body in one write, and how to read a response with
 connection-delimited bodies). Every call has a total timeout and a connect timeout.
 A call that fails on a connection taken from the pool before any byte of the answer
 arrived (the server had closed it while idle) is sent once more on a new connection.
+An answer larger than ``max_response_bytes`` fails its call rather than filling
+memory; a connection that receives an answer no call asked for is dropped.
 
 Does not know: redirects, proxies, cookies, compression, HTTP/2, streaming bodies,
 or what the calls mean (``war.backends.http`` maps answers and errors). It exists
@@ -28,6 +30,10 @@ from typing import cast
 
 import httptools
 
+# An answer larger than this (head and body) fails the call: a completion with
+# logprobs for a long output is a few MB; more is a broken or hostile server.
+DEFAULT_MAX_RESPONSE_BYTES = 256 << 20
+
 
 class TransportError(Exception):
     """The call failed below HTTP: connection refused, reset or closed, or an answer
@@ -48,12 +54,14 @@ class Response:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; one call at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> None:
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
         self.reused = False
+        self.max_response_bytes = max_response_bytes
+        self._received = 0  # bytes of the current call's answer, interim ones included
         self._waiter: asyncio.Future[Response] | None = None
         self._reset()
 
@@ -72,6 +80,12 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._got_bytes = True
+        self._received += len(data)
+        if self._received > self.max_response_bytes:
+            self._fail(TransportError(
+                f"the answer is larger than {self.max_response_bytes} bytes"))
+            self.abort()
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -96,6 +110,12 @@ class _Connection(asyncio.Protocol):
         self._fail(err)
 
     # -- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self._waiter is None:
+            # an answer no call asked for: what follows it on this connection cannot
+            # be told apart from the next call's answer
+            self.abort()
 
     def on_status(self, status: bytes) -> None:
         self._reason += status
@@ -150,6 +170,7 @@ class _Connection(asyncio.Protocol):
     def send(self, data: bytes) -> asyncio.Future[Response]:
         assert self.transport is not None and self._waiter is None
         self._reset()
+        self._received = 0
         self._waiter = asyncio.get_running_loop().create_future()
         self.transport.write(data)
         return self._waiter
@@ -169,13 +190,17 @@ class Pool:
     """Keep-alive connections to one origin; ``request`` sends one call.
 
     ``host`` may be a name or an address (IPv6 without brackets); ``tls`` is an
-    ``ssl.SSLContext`` for https. The pool belongs to the event loop it first runs
-    in."""
+    ``ssl.SSLContext`` for https; an answer over ``max_response_bytes`` fails its
+    call. The pool belongs to the event loop it first runs in."""
 
     def __init__(self, host: str, port: int, *, tls: _ssl.SSLContext | None = None,
-                 max_connections: int = 512, keepalive_s: float = 4.0) -> None:
+                 max_connections: int = 512, keepalive_s: float = 4.0,
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if max_response_bytes < 1:
+            raise ValueError(f"max_response_bytes must be >= 1, got {max_response_bytes}")
+        self.max_response_bytes = max_response_bytes
         self.host = host
         self.port = port
         self.tls = tls
@@ -315,8 +340,9 @@ class Pool:
         timeout_s = min(timeout_s, deadline - loop.time())
         if timeout_s <= 0:
             raise TimeoutError("the call ran out of time before connecting")
+        limit = self.max_response_bytes
         _, conn = await asyncio.wait_for(loop.create_connection(
-            _Connection, self.host, self.port, ssl=self.tls,
+            lambda: _Connection(limit), self.host, self.port, ssl=self.tls,
             server_hostname=self.host if self.tls is not None else None), timeout_s)
         return conn
 

@@ -8,7 +8,9 @@ router acts on (409 ``unknown_trajectory`` -> ``UnknownTrajectory``, other 4xx -
 ``ValueError`` with the server's message, connection errors, timeouts, 5xx and
 malformed answers -> ``ReplicaUnavailable``); ``/v1/load``, ``/v1/history`` and
 ``/health``. One pool of keep-alive connections per backend (``war.backends.h1``),
-or the caller's ``httpx.AsyncClient``.
+or the caller's ``httpx.AsyncClient``. A base URL with credentials, a query or a
+fragment, and an api_key that would break its header, are refused
+(``ValueError``) when the backend is made.
 
 Does not know how the replica generates, nor routing; it never retries (the
 router does, elsewhere). The helpers at the bottom are shared with
@@ -181,7 +183,24 @@ def check_base_url(base_url: str) -> str:
         raise ValueError(f"base_url {base_url!r} is not a URL: {e}") from None
     if url.scheme not in ("http", "https") or not url.host:
         raise ValueError(f"base_url must be http://host[:port][/prefix], got {base_url!r}")
+    # (each would be dropped unseen, or put the call's path inside the query)
+    if url.userinfo:
+        raise ValueError("base_url must not hold credentials (pass api_key)")
+    if "?" in base_url or "#" in base_url:
+        raise ValueError(f"base_url takes no query or fragment, got {base_url!r}")
     return base_url.rstrip("/")
+
+
+def _check_api_key(api_key: str | None) -> None:
+    """A key that would break the Authorization header (a line break read from a
+    file, say) is refused here rather than sent: it would inject header lines."""
+    if api_key is None:
+        return
+    if not isinstance(api_key, str):
+        raise ValueError(f"api_key must be a string or None, got {type(api_key).__name__}")
+    if any((c < " " and c != "\t") or c >= "\x7f" for c in api_key):
+        raise ValueError("api_key holds a control or non-ASCII character "
+                         "(a trailing newline?)")
 
 
 def _check_positive(what: str, value: float) -> None:
@@ -282,6 +301,7 @@ class HttpChannel:
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) \
                 or max_connections < 1:
             raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
+        _check_api_key(api_key)
         self.base_url = base_url
         self.timeout_s = float(timeout_s)
         self.connect_timeout_s = float(min(connect_timeout_s, timeout_s))
@@ -296,7 +316,8 @@ class HttpChannel:
         self._tls = url.scheme == "https"
         # (``or`` would turn an explicit port 0 into the default one)
         self._port = url.port if url.port is not None else (443 if self._tls else 80)
-        self._prefix = url.path.rstrip("/")
+        # (percent-encoded as httpx sends it: a raw space would split the request line)
+        self._prefix = httpx.URL(base_url).raw_path.decode("ascii").rstrip("/")
         self.client = client
         self._pool: h1.Pool | None = None
         self._pool_loop: asyncio.AbstractEventLoop | None = None
@@ -327,10 +348,12 @@ class HttpChannel:
         try:
             content = None if json is None else orjson.dumps(json)
             if self.client is not None:
-                response = await self.client.request(
-                    method, self.url(path), content=content,
-                    headers=self.headers if json is None else self._json_headers,
-                    timeout=httpx.Timeout(total, connect=connect))
+                # (httpx's timeouts bound each read and write, not the whole call)
+                async with asyncio.timeout(total):
+                    response = await self.client.request(
+                        method, self.url(path), content=content,
+                        headers=self.headers if json is None else self._json_headers,
+                        timeout=httpx.Timeout(total, connect=connect))
                 return Answer(response.status_code, response.reason_phrase, response.content,
                               method, path)
             answer = await self._h1().request(
