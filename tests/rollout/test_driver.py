@@ -551,3 +551,48 @@ def test_rollout_config_checks_seed_and_agent() -> None:
             RolloutConfig(seed=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="agent"):
         RolloutConfig(agent={"max_turns": 2})  # type: ignore[arg-type]
+
+
+class FixedTextReplica:
+    """Answers every turn with the same text (and the end-of-turn token)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        out = IO.encode(self.text) + list(IO.stop_token_ids)
+        return GenResult(req.request_id, tuple(out), tuple([-0.5] * len(out)), "stop",
+                         len(req.prompt_ids))
+
+
+def test_a_lone_surrogate_in_a_tool_call_does_not_break_the_step(tmp_path: Path) -> None:
+    replica = FixedTextReplica('<tool_call>{"name": "\\udc80", "arguments": {}}</tool_call>')
+    cfg = RolloutConfig(group_size=1, agent=AgentConfig(max_turns=2))
+    out = run_step(sample_tasks("calculator", 1, 0), [replica], IO, cfg,
+                   output=tmp_path / "s.jsonl")
+    assert out[0].finish_reason == "max_turns" and out[0].num_turns == 2
+    assert "surrogate" in out[0].messages[3]["content"]
+    assert read_jsonl(tmp_path / "s.jsonl") == out
+
+
+@pytest.mark.parametrize("score", [float("nan"), 1.5, -0.5, float("inf")])
+def test_a_score_outside_zero_one_is_an_error_not_a_reward(score: float) -> None:
+    from war.rollout.agent import run_episode
+    from war.rollout.envs import CalculatorEnv
+
+    class BadScoreEnv(CalculatorEnv):
+        def score(self, final_answer: str) -> float:
+            return score
+
+    task = sample_tasks("calculator", 1, 5)[0]
+    replica = ScriptedReplica()
+    replica.script("t", task)
+    env = BadScoreEnv()
+    try:
+        traj = asyncio.run(run_episode(task, env, replica, IO, AgentConfig(),
+                                       trajectory_id="t", group_id="g"))
+    finally:
+        env.close()
+    assert traj.finish_reason == "error" and traj.reward == 0.0
+    assert traj.error is not None and "[0, 1]" in traj.error
+    assert traj.num_turns == 2 and traj.messages[-1]["role"] == "assistant"

@@ -6,6 +6,7 @@ import json
 import random
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -402,3 +403,71 @@ def test_files_reset_that_fails_leaves_no_temporary_tree(
     assert env.root is not None and env.root.parent == tmp_path.resolve()
     env.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_files_errors_never_show_the_real_path() -> None:
+    env = FilesEnv()
+    env.reset(sample_tasks("files", 1, seed=0)[0])
+    root = env.root
+    assert root is not None
+    for tool, args in (("cat", {"path": "/" + "a" * 300}), ("ls", {"path": "/etc/" + "b" * 3000}),
+                       ("grep", {"pattern": "x", "path": "/srv/" + "c" * 300})):
+        out = env.call_tool(tool, args)
+        assert out.startswith("error: cannot access /") and "too long" in out, out[:120]
+        assert str(root) not in out and "war-files-" not in out
+    env.close()
+
+
+def test_sqlite_bounds_the_size_of_a_result() -> None:
+    env = SqliteEnv()
+    env.reset(sample_tasks("sqlite", 1, seed=0)[0])
+    wide = "SELECT " + ", ".join(["randomblob(999999)"] * 150)  # 9 kB of SQL, 150 MB of row
+    assert env.call_tool("query", {"sql": wide}) == (
+        "error: SQL error: too many columns in result set")
+    tall = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 10) "
+            "SELECT x, zeroblob(999999) FROM c")
+    lines = env._handlers()["query"](sql=tall).splitlines()  # (before call_tool truncates)
+    assert [line[:4] for line in lines[:4]] == ["x | ", "1 | ", "2 | ", "3 | "]
+    assert len(lines) == 5 and lines[-1].startswith("... (rows left out: the result passes")
+    small = env.call_tool("query", {"sql": "SELECT id, name FROM customers LIMIT 2"})
+    assert small.splitlines()[0] == "id | name" and len(small.splitlines()) == 3
+    env.close()
+
+
+def test_a_close_during_a_reset_frees_what_the_reset_builds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An episode cancelled while its reset runs in a worker thread: the driver closes the
+    environment from another thread; the tree the reset is writing must still be deleted."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    entered, release = threading.Event(), threading.Event()
+    real_generate = files.generate
+
+    def slow_generate(seed: int) -> files.World:
+        entered.set()
+        release.wait(10)
+        return real_generate(seed)
+
+    task = sample_tasks("files", 1, seed=0)[0]
+    monkeypatch.setattr(files, "generate", slow_generate)
+    env = FilesEnv()
+    resetting = threading.Thread(target=env.reset, args=(task,))
+    resetting.start()
+    assert entered.wait(10)
+    closing = threading.Thread(target=env.close)
+    closing.start()
+    closing.join(0.2)
+    release.set()
+    resetting.join(10)
+    closing.join(10)
+    assert env.root is None and list(tmp_path.iterdir()) == []
+
+
+def test_sqlite_names_an_sql_error_that_mentions_interrupted_as_such() -> None:
+    env = SqliteEnv(query_time_s=0.2)
+    env.reset(sample_tasks("sqlite", 1, seed=0)[0])
+    assert env.call_tool("query", {"sql": "SELECT * FROM interrupted"}) == (
+        "error: SQL error: no such table: interrupted")
+    endless = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
+               "SELECT COUNT(*) FROM c")
+    assert env.call_tool("query", {"sql": endless}) == "error: query took longer than 0.2 s"
+    env.close()

@@ -123,3 +123,18 @@ def test_written_calls_parse_back(name: str, args: dict[str, Any], as_string: bo
         return  # a payload holding the tags themselves is ambiguous by design
     assert parsed.calls == [ToolCall(name, args)] and parsed.errors == []
     assert parsed.content == "thinking..."
+
+
+@pytest.mark.parametrize("body", [
+    r'{"name": "\udc80", "arguments": {}}',
+    r'{"name": "calc", "arguments": {"\ud800": 1}}',
+    r'{"name": "calc", "arguments": {"x": ["ok", "\udfff"]}}',
+    json.dumps({"name": "calc", "arguments": r'{"x": "\udc80"}'}),
+])
+def test_lone_surrogate_escapes_are_errors(body: str) -> None:
+    # They parse as JSON but are not text: a call holding one could not be written to a
+    # trajectory file (UTF-8), so it is malformed model output, not a call.
+    parsed = parse_tool_calls(block(body) + block('{"name": "ok", "arguments": {"s": "\\u00e9"}}'))
+    assert parsed.calls == [ToolCall("ok", {"s": "é"})]
+    assert len(parsed.errors) == 1 and "surrogate" in parsed.errors[0]
+    assert parsed.errors[0].startswith("tool call 1:")

@@ -23,6 +23,9 @@ the replica's, never re-tokenized. A trajectory's next turn sends only those new
 tokens (``GenRequest.continues``); if the replica no longer holds the trajectory
 the whole context is sent instead.
 
+A score outside [0, 1] (or NaN) from the environment ends the episode with
+``finish_reason="error"`` and reward 0, so it never reaches a trainer as a reward.
+
 Model output never crashes the loop: malformed tool calls (bad JSON, unknown
 tool, wrong arguments) and failing tools become error observations for the
 policy, as real agent frameworks do.
@@ -255,6 +258,10 @@ async def run_episode(
             if not parsed.has_calls and not parsed.errors:
                 reward = float(env.score(parsed.content))
                 finish = "done"
+                if not 0.0 <= reward <= 1.0:  # (NaN too) a broken environment, not a reward
+                    finish, error = "error", (f"environment {task.env} scored {reward!r}; a "
+                                              "reward is a number in [0, 1]")
+                    reward = 0.0
                 break
             observations: list[dict[str, Any]] = []
             t1 = time.perf_counter()

@@ -85,6 +85,12 @@ def _parse_block(body: str) -> ToolCall | str:
             return "'arguments' is a string that is not a JSON object"
     if not isinstance(args, dict):
         return f"'arguments' must be a JSON object, got {type(args).__name__}"
+    try:  # a \u escape of a lone surrogate parses but is not text: nothing can store it
+        json.dumps([name, args], ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return "invalid JSON (a \\u escape is a lone surrogate, not a character)"
+    except RecursionError:
+        return "invalid JSON (nested too deeply)"
     return ToolCall(name.strip(), args)
 
 

@@ -217,6 +217,9 @@ class ToolEnv:
         self.config = config if config is not None else ToolEnvConfig()
         self._task: Task | None = None
         self._lock = threading.Lock()
+        # reset and close each run whole: a close from another thread (an episode cancelled
+        # while its reset runs in a worker thread) must not miss what the reset builds.
+        self._state_lock = threading.RLock()
 
     def system_prompt(self) -> str:
         raise NotImplementedError
@@ -245,9 +248,10 @@ class ToolEnv:
         if not isinstance(task, Task) or task.env != self.name:
             raise ValueError(f"{self.name}: reset needs a Task of env {self.name!r}, got "
                              f"{getattr(task, 'env', type(task).__name__)!r}")
-        self.close()
-        self._build(task)
-        self._task = task
+        with self._state_lock:
+            self.close()
+            self._build(task)
+            self._task = task
         return task.prompt
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
@@ -285,9 +289,11 @@ class ToolEnv:
         return score_answer(final_answer, self.task.answer)
 
     def close(self) -> None:
-        """Free the task's resources; the environment can be ``reset`` again."""
-        self._task = None
-        self._teardown()
+        """Free the task's resources; the environment can be ``reset`` again. Called from
+        another thread during a ``reset``, it waits for the reset and frees what it built."""
+        with self._state_lock:
+            self._task = None
+            self._teardown()
 
     def __enter__(self) -> ToolEnv:
         return self

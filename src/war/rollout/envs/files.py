@@ -9,8 +9,9 @@ value off the matching line, or ``cat`` the file the first grep found).
 Sandbox: each ``reset`` writes the tree to a fresh temporary directory (deleted by ``close``);
 tool paths are virtual (``/srv/app.conf`` lives under that directory), ``..`` is refused and a
 path whose real location (symlinks resolved) is outside the directory is rejected; outputs
-never show real paths. ``grep`` matches a fixed string (no regexes: a Python regex cannot be
-interrupted), skips symlinks and big files and stops at a deadline. Does not know binary files.
+never show real paths, nor do errors (an OSError becomes a ToolError naming the path given).
+``grep`` matches a fixed string (no regexes: a Python regex cannot be interrupted), skips
+symlinks and big files and stops at a deadline. Does not know binary files.
 """
 
 from __future__ import annotations
@@ -159,6 +160,19 @@ def _match_path(grep_output: str) -> str:
     return grep_output.strip().splitlines()[-1].split(":", 1)[0]
 
 
+def _virtual_errors(tool: Callable[..., str]) -> Callable[..., str]:
+    """``tool`` with an OSError (whose message names the real path, e.g. a name too long)
+    turned into a ToolError naming the path the policy gave."""
+    def run(**args: Any) -> str:
+        try:
+            return tool(**args)
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            raise ToolError(f"cannot access {str(args.get('path', '')).strip()}: {reason}"
+                            ) from None
+    return run
+
+
 class FilesEnv(ToolEnv):
     """A generated tree in a temporary directory per task; tools see it as ``/``."""
 
@@ -195,7 +209,8 @@ class FilesEnv(ToolEnv):
         ]
 
     def _handlers(self) -> Mapping[str, Callable[..., str]]:
-        return {"ls": self._ls, "cat": self._cat, "grep": self._grep}
+        return {name: _virtual_errors(tool)
+                for name, tool in (("ls", self._ls), ("cat", self._cat), ("grep", self._grep))}
 
     def _build(self, task: Task) -> None:
         if task.data.get("kind") not in KINDS or not isinstance(task.data.get("seed"), int):

@@ -8,7 +8,8 @@ customer id read from a previous output; then ``The answer is <last output line>
 
 Safety: the database lives in memory (nothing on disk), opened with ``PRAGMA query_only`` and an
 authorizer that allows reading only (no writes, DDL, PRAGMA or ATTACH); a progress handler
-aborts a query after ``query_time_s``; values are capped at 1 MB and output at ``max_rows``.
+aborts a query after ``query_time_s``; values are capped at 1 MB, rows at 100 columns and
+output at ``max_rows`` rows of at most 4 MB of values in all.
 Does not know: SQL beyond what SQLite executes, or any other schema.
 """
 
@@ -49,6 +50,8 @@ _ASK = {
 }
 _READ_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
                            sqlite3.SQLITE_RECURSIVE})
+_MAX_COLUMNS = 100
+_MAX_RESULT_BYTES = 4_000_000  # of the values of the rows shown
 Customer = tuple[int, str, str]
 Order = tuple[int, int, str, int, int]
 
@@ -153,6 +156,7 @@ class SqliteEnv(ToolEnv):
         conn.commit()
         conn.execute("PRAGMA query_only = ON")
         conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 1_000_000)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, _MAX_COLUMNS)  # (bounds one row's size)
         conn.set_authorizer(_authorize)
         self._conn = conn
 
@@ -172,14 +176,29 @@ class SqliteEnv(ToolEnv):
             if cursor.description is None:
                 return "(no result)"
             lines = [" | ".join(str(d[0]) for d in cursor.description)]
-            rows = cursor.fetchmany(self.max_rows + 1)
+            # Row by row under a size budget: rows of many 1 MB values would otherwise be
+            # held (and turned into text) all at once, past any deadline (after SQLite).
+            rows: list[tuple[Any, ...]] = []
+            size, too_big = 0, False
+            while len(rows) <= self.max_rows:
+                row = cursor.fetchone()
+                if row is None:
+                    break
+                size += sum(len(v) if isinstance(v, str | bytes) else 8 for v in row)
+                if size > _MAX_RESULT_BYTES:
+                    too_big = True
+                    break
+                rows.append(row)
             lines += [" | ".join("NULL" if v is None else str(v) for v in row)
                       for row in rows[:self.max_rows]]
             if len(rows) > self.max_rows:
                 lines.append(f"... (more than {self.max_rows} rows; use LIMIT or aggregate)")
-            return "\n".join(lines) if rows else lines[0] + "\n(no rows)"
+            elif too_big:
+                lines.append(f"... (rows left out: the result passes {_MAX_RESULT_BYTES:,} "
+                             "bytes; select fewer or smaller values)")
+            return "\n".join(lines) if rows or too_big else lines[0] + "\n(no rows)"
         except (sqlite3.Error, sqlite3.Warning) as exc:
-            if "interrupted" in str(exc):
+            if str(exc) == "interrupted":  # (not "no such table: interrupted")
                 raise ToolError(f"query took longer than {self.query_time_s:g} s") from None
             if "not authorized" in str(exc) or "authorization denied" in str(exc):
                 raise ToolError("not allowed: the database is read-only (SELECT only)") from None
