@@ -1,8 +1,8 @@
 """The console the `war` commands print to.
 
 Knows: rich's console, and that writing to a file or a pipe (a CI log, ``| tee``) rich
-assumes 80 columns, which cuts the headers of WAR's wider tables to an ellipsis.
-Does not know what is printed.
+assumes 80 columns, which cuts the headers of WAR's wider tables to an ellipsis;
+and that an error is reported on one line (``one_line``). Does not know what is printed.
 """
 
 from __future__ import annotations
@@ -24,4 +24,10 @@ def make_console() -> Console:
     return console
 
 
-__all__ = ["PIPE_WIDTH", "make_console"]
+def one_line(message: str) -> str:
+    """``message`` on one line: its lines stripped and joined by spaces, blank ones and
+    YAML's caret markers (``^`` under a column) dropped."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip(" \t^"))
+
+
+__all__ = ["PIPE_WIDTH", "make_console", "one_line"]

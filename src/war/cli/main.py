@@ -1,7 +1,8 @@
 """Entry point of the `war` command (`war = "war.cli.main:main"` in pyproject).
 
 Knows the subcommands and how to report a caller's mistake (one line on stderr, exit
-status 1: ValueError and OSError); each subcommand's options and work live in its own module.
+status 1: ValueError and OSError) and an interrupt (Ctrl-C: one line, exit status 130);
+each subcommand's options and work live in its own module.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ import argparse
 import sys
 
 from war.cli import rollout, route, serve, sim, spec, train_policy
+from war.cli.console import one_line
+
+INTERRUPTED_STATUS = 130  # (128 + SIGINT, as a shell reports it)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,9 +38,13 @@ def main(argv: list[str] | None = None) -> int:
         status: int = args.run(args)
     except (ValueError, OSError) as e:
         # A caller's mistake (bad value, missing or unreadable file, a folder given for
-        # a file): one line, no traceback.
-        print(f"war: error: {e}", file=sys.stderr)
+        # a file): one line, no traceback. (A YAML parser's message spans lines.)
+        print(f"war: error: {one_line(str(e))}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C: reports are written whole or not at all; a traceback adds nothing
+        print("war: interrupted", file=sys.stderr)
+        return INTERRUPTED_STATUS
     return status
 
 

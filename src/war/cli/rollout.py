@@ -82,7 +82,11 @@ def run_demo(args: argparse.Namespace) -> int:
 def run_rollout_command(args: argparse.Namespace) -> int:
     from war.rollout.run import load_run_config
 
-    return _run(_config(args, load_run_config(args.config)), quiet=args.quiet, fresh=False)
+    try:
+        base = load_run_config(args.config)
+    except UnicodeDecodeError as e:  # (its message names no file)
+        raise ValueError(f"{args.config}: not UTF-8: {e}") from None
+    return _run(_config(args, base), quiet=args.quiet, fresh=False)
 
 
 def _earlier_run(cfg: RunConfig, console: Console, fresh: bool) -> None:

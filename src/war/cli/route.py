@@ -21,6 +21,7 @@ import sys
 from typing import TYPE_CHECKING, TypeAlias
 
 from war import aio
+from war.cli.console import one_line
 from war.cli.serve import _is_loopback
 
 if TYPE_CHECKING:
@@ -71,7 +72,8 @@ def add_route_command(commands: Subparsers) -> None:
 
 
 def _fail(message: str) -> int:
-    print(f"war route: error: {message}", file=sys.stderr)
+    # (a replica spec's message lists the forms, one a line)
+    print(f"war route: error: {one_line(message)}", file=sys.stderr)
     return BAD_USAGE_STATUS
 
 
@@ -110,6 +112,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65536), got {args.port}")
+    if not args.host.strip():  # (it would bind every interface, as 0.0.0.0 does)
+        raise ValueError("--host is empty; give an address (0.0.0.0: every interface)")
     if not 0 < args.health_interval < math.inf:
         raise ValueError(f"--health-interval must be a finite number > 0, got "
                          f"{args.health_interval}")

@@ -123,9 +123,24 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         raise ValueError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
     with sock:
-        engine = Engine.from_pretrained(folder, config)
+        try:
+            engine = Engine.from_pretrained(folder, config)
+        except (MemoryError, RuntimeError) as e:
+            # torch reports a failed allocation (a --kv-cache-mb too large for the device)
+            # as a RuntimeError; any other RuntimeError is not a caller's mistake
+            if not isinstance(e, MemoryError) and not _is_allocation_failure(e):
+                raise
+            raise ValueError(f"cannot load the model with a {args.kv_cache_mb} MiB KV cache "
+                             f"on {args.device}: out of memory (try a smaller --kv-cache-mb)"
+                             ) from None
         aio.run(_serve(engine, args.served_model_name, api_key, sock, args.log_level))
     return 0
+
+
+def _is_allocation_failure(e: RuntimeError) -> bool:
+    """Whether torch raised ``e`` for memory it could not allocate (CPU or GPU)."""
+    text = str(e).lower()
+    return "out of memory" in text or "can't allocate memory" in text
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -37,7 +37,7 @@ def add_sim_command(commands: Subparsers) -> None:
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    from war.cli.paths import check_not_input
+    from war.cli.paths import check_not_input, same_file
     from war.outputs import check_output_dir, check_output_file, write_json
     from war.sim.experiment import Experiment, check_loads, resolve_traces, run_experiment
     from war.sim.plots import write_plots
@@ -55,6 +55,10 @@ def run_sim(args: argparse.Namespace) -> int:
     check_not_input(args.json, "--json", [("--config", args.config),
                                           *(("--traces", t) for t in args.traces or ())])
     if args.plots is not None:
+        # (the folder made for the plots would be in the report's way once the sweep ends)
+        if same_file(args.json, args.plots):
+            raise ValueError(f"--json {args.json} is the --plots folder {args.plots}; give "
+                             "the report a file name of its own")
         check_output_dir(args.plots, "--plots")
     exp = Experiment.load(args.config)
     if exp.workload.get("kind", "traces") != "traces":

@@ -68,6 +68,9 @@ def _trajectories(args: argparse.Namespace) -> list[Trajectory]:
     paths: Sequence[Path] | None = args.traces
     sources: list[TraceSource] = list(paths) if paths else [data.resource(data.SAMPLE_TRACES)]
     trajs = load_trajectories(sources, limit=args.limit)
+    if not trajs and args.limit != 0:  # (a report of zeros would look like a result)
+        raise ValueError(f"no trajectories in the trace file(s) "
+                         f"{', '.join(str(s) for s in sources)}")
     return ordered(trajs, args.order, args.seed)
 
 

@@ -16,7 +16,7 @@ from typing import TypeAlias
 from rich.table import Table
 
 from war.cli.console import make_console
-from war.cli.paths import check_not_input
+from war.cli.paths import check_not_input, same_file
 from war.outputs import check_output_dir, check_output_file, write_json
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -86,6 +86,10 @@ def run_train_policy(args: argparse.Namespace) -> int:
         # written there would overwrite one of them (or be replaced by it)
         check_not_input(args.json, "--json", (("--out policy", args.out / name)
                                               for name in POLICY_FILES))
+        # (the policy's folder is made there: the report could not be written after training)
+        if same_file(args.json, args.out):
+            raise ValueError(f"--json {args.json} is the --out folder {args.out}; give the "
+                             "report a file name of its own")
         check_output_file(args.json, "--json")
     check_policy_out(args.out, "--out")
     check_output_dir(args.out, "--out")
