@@ -300,6 +300,93 @@ def test_upgrade_requests_are_answered_over_http11_with_their_body() -> None:
             assert c.post("/v1/completions", content=b"next").status_code == 200
 
 
+def test_a_malformed_request_is_answered_after_the_requests_before_it() -> None:
+    echo = Echo()
+    echo.delays = {b"slow": 0.2}
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}) as (_, p, _e):
+        out = raw(p, post("/v1/completions", b"slow") + b"NOT HTTP\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 200") and b'"body":"slow"' in out, out
+        assert out.count(b"HTTP/1.1 ") == 2 and b"HTTP/1.1 400" in out
+        # what follows a ``Connection: close`` request is not read, nor refused
+        out = raw(p, post("/v1/completions", b"last", "Connection: close\r\n")
+                  + post("/v1/completions", b"after"))
+        assert out.count(b"HTTP/1.1 ") == 1 and b'"body":"last"' in out, out
+        assert [c[0] for c in echo.calls] == [b"slow", b"last"]
+
+
+def test_100_continue_waits_for_the_answers_before_it() -> None:
+    # a 100 Continue sent early would read as an interim answer to the request before
+    echo = Echo()
+    echo.delays = {b"slow": 0.2}
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}) as (_, p, _e), \
+            socket.create_connection(("127.0.0.1", p), timeout=5) as s:
+        s.sendall(post("/v1/completions", b"slow")
+                  + b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+                    b"Expect: 100-continue\r\n\r\n")
+        out = b""
+        while b"100 Continue" not in out:
+            chunk = s.recv(65536)
+            assert chunk, out
+            out += chunk
+        assert out.startswith(b"HTTP/1.1 200") and out.index(b'"body":"slow"') < out.index(
+            b"HTTP/1.1 100 Continue"), out
+        s.sendall(b"abc")
+        while b'"body":"abc"' not in out:
+            chunk = s.recv(65536)
+            assert chunk, out
+            out += chunk
+        assert out.count(b"100 Continue") == 1
+
+
+def test_oversized_heads_get_431_and_the_server_keeps_serving() -> None:
+    echo = Echo()
+    config = EdgeConfig(max_header_bytes=1024)
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}, config) as (
+            h, p, edge):
+        with socket.create_connection(("127.0.0.1", p), timeout=5) as s:
+            s.sendall(post("/v1/completions", b"before") + b"GET /health HTTP/1.1\r\nX-Big: ")
+            out = b""
+            for _ in range(8):  # 2 KiB more of the header, in reads of its own
+                time.sleep(0.05)
+                try:
+                    s.sendall(b"a" * 256)
+                except OSError:
+                    break
+            while chunk := s.recv(65536):
+                out += chunk
+        assert out.startswith(b"HTTP/1.1 200") and b'"body":"before"' in out, out
+        assert b"HTTP/1.1 431 Request Header Fields Too Large" in out
+        assert b"larger than 1024 bytes" in out
+        assert wait_for(lambda: len(edge.connections) == 0)
+        # a head within the limit is served
+        with httpx.Client(base_url=f"http://{h}:{p}") as c:
+            r = c.post("/v1/completions", content=b"ok", headers={"X-Pad": "b" * 800})
+            assert r.status_code == 200
+
+
+def test_trailers_are_not_taken_for_headers() -> None:
+    echo = Echo()
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route(KEY)}) as (_, p, _e):
+        out = raw(p, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+                     b"\r\nConnection: close\r\n\r\n1\r\na\r\n0\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nX-Trailer: t\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 401"), out
+        out = raw(p, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+                     b"\r\nAuthorization: Bearer " + KEY.encode() + b"\r\nConnection: close"
+                     b"\r\n\r\n1\r\na\r\n0\r\nX-Trailer: t\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 200"), out
+        assert "x-trailer" not in echo.calls[-1][1] and echo.calls[-1][0] == b"a"
+
+
+def test_http10_keep_alive_requests_are_told_the_connection_closes() -> None:
+    # the answer does not say ``keep-alive``: an HTTP/1.0 client takes it as the last
+    echo = Echo()
+    with running(side_app([]), {("POST", "/v1/completions"): echo.route()}) as (_, p, _e):
+        out = raw(p, b"POST /v1/completions HTTP/1.0\r\nConnection: keep-alive\r\n"
+                     b"Content-Length: 2\r\n\r\nok", timeout=2.0)  # closed by the server
+        assert out.startswith(b"HTTP/1.1 200") and b"connection: close" in out, out
+
+
 def test_streamed_head_and_failing_asgi_responses() -> None:
     with running(side_app([]), {}) as (h, p, _):
         out = raw(p, b"GET /stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -482,14 +569,14 @@ def test_a_taken_port_fails_the_start_before_the_lifespan() -> None:
 def test_config_validation() -> None:
     for bad in ({"max_body_bytes": 0}, {"keepalive_s": 0}, {"read_timeout_s": 0},
                 {"shutdown_grace_s": -1},
-                {"max_queued": 0}):
+                {"max_queued": 0}, {"max_header_bytes": 0}):
         with pytest.raises(ValueError):
             EdgeConfig(**bad)
     for name in ("keepalive_s", "read_timeout_s", "shutdown_grace_s"):
         for value in (math.inf, math.nan):  # (inf: a connection held forever)
             with pytest.raises(ValueError, match=f"{name} must be a finite number > 0"):
                 EdgeConfig(**{name: value})
-    for name in ("max_body_bytes", "max_queued"):  # (a NaN would lift the limit)
+    for name in ("max_body_bytes", "max_queued", "max_header_bytes"):  # (a NaN: no limit)
         for value in (math.nan, 1.5, True):
             with pytest.raises(ValueError, match=f"{name} must be an int"):
                 EdgeConfig(**{name: value})  # type: ignore[arg-type]

@@ -91,6 +91,12 @@ def test_defaults_batches_and_per_prompt_settings() -> None:
     ({"input_ids": [1], "sampling_params": {"stop": [""]}}, "stop"),
     ({"input_ids": [1], "sampling_params": {"stop_token_ids": [-1]}}, "stop_token_ids"),
     ({"input_ids": [1], "sampling_params": {"ignore_eos": 1}}, "ignore_eos"),
+    # falsy values of the wrong type are not read as none
+    ({"input_ids": [1], "sampling_params": {"stop_token_ids": 0}}, "stop_token_ids"),
+    ({"input_ids": [1], "sampling_params": {"stop_token_ids": ""}}, "stop_token_ids"),
+    ({"input_ids": [1], "sampling_params": {"stop": 0}}, "stop"),
+    ({"input_ids": [1], "sampling_params": {"stop": False}}, "stop"),
+    ({"input_ids": [1], "sampling_params": {"stop": {}}}, "stop"),
 ])
 def test_what_the_router_cannot_honour_is_400(body: dict[str, Any], param: str) -> None:
     client, router, a, _ = make()
@@ -214,3 +220,4 @@ def test_plain_bodies_read_as_the_general_checks_read_them(params: Any) -> None:
                         ({"input_ids": [4, 5], "sampling_params": [{}, {}]}, "2 entries")):
         with pytest.raises(APIError, match=needle):
             build_generate_requests(bad, headers, (7,))
+

@@ -3,8 +3,11 @@
 Knows: HTTP/1.1 on asyncio protocols with ``httptools``' request parser (the C parser
 uvicorn uses): keep-alive, pipelined requests answered in order, content-length and
 chunked request bodies, ``Expect: 100-continue``, HTTP/1.0 and ``Connection: close``,
-an idle keep-alive timeout, a body size limit (413), malformed requests (400, then
-the connection closes), and a graceful shutdown on SIGINT/SIGTERM. Requests matching
+an idle keep-alive timeout, a body size limit (413), a head size limit (431),
+malformed requests (400, then the connection closes; requests before them are answered
+first), and a graceful shutdown on SIGINT/SIGTERM. An HTTP/1.0 connection closes after
+each answer (HTTP/1.0's keep-alive is not offered), and trailers of a chunked body are
+not taken for headers. Requests matching
 a *fast route* (``FastRoute``: the router's ``POST /v1/completions``) go straight to
 its handler as ``(body, headers, respond)`` (it may answer before it returns); a client
 hanging up cancels the handler's task.
@@ -43,6 +46,8 @@ from war.router.edge_wire import address, error_json, json_response, split_targe
 
 log = logging.getLogger("war.router.edge")
 
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
 Respond = Callable[[int, bytes], None]
 Handler = Callable[[bytes, Mapping[str, str], Respond], Awaitable[tuple[int, bytes] | None]]
 
@@ -71,16 +76,20 @@ class EdgeConfig:
     arrived only in part closes when no byte of it comes for this long (a slow upload
     that keeps sending is not cut). ``shutdown_grace_s``: how long a shutdown waits for
     requests in flight before cancelling them. ``max_queued``: pipelined requests
-    parsed ahead of the one being answered before the connection stops reading."""
+    parsed ahead of the one being answered before the connection stops reading.
+    ``max_header_bytes``: a request line and headers larger than this get a 431 and
+    the connection closes (counted from the read after the one the head began in: a
+    head is never refused below the limit, and one in a single read passes)."""
 
     max_body_bytes: int = 64 << 20
     keepalive_s: float = 5.0
     read_timeout_s: float = 30.0
     shutdown_grace_s: float = 10.0
     max_queued: int = 16
+    max_header_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_queued"):
+        for name in ("max_body_bytes", "max_queued", "max_header_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):  # (a NaN: no limit)
                 raise ValueError(f"{name} must be an int, got {value!r}")
@@ -93,6 +102,8 @@ class EdgeConfig:
                                  f"got {getattr(self, name)}")
         if self.max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {self.max_queued}")
+        if self.max_header_bytes < 1:
+            raise ValueError(f"max_header_bytes must be >= 1, got {self.max_header_bytes}")
 
 
 @dataclass(slots=True)
@@ -128,6 +139,8 @@ class _Connection(asyncio.Protocol):
         self._idle_since: float | None = None  # None: busy
         self._idle_limit = edge.config.keepalive_s  # how long it may stay as it is
         self._in_message = False  # a request has begun arriving and is not complete
+        self._in_head = False  # ... and its headers are not complete
+        self._fields: list[tuple[bytes, bytes]] = []  # the headers, without trailers
         # an upgrade request whose body is still to be read (``_read_upgrade_body``):
         # its method, target, headers and HTTP version
         self._upgrading: tuple[bytes, bytes, list[tuple[bytes, bytes]], str] | None = None
@@ -141,7 +154,8 @@ class _Connection(asyncio.Protocol):
         self._size = 0
         self._refused = False
         self._length: bytes | None = None  # the first Content-Length
-        self._expect = False  # Expect: 100-continue
+        self._expect = False  # Expect: 100-continue, not yet answered
+        self._head_bytes = 0  # bytes of the head read after the read it began in
 
     # -- asyncio.Protocol
 
@@ -152,8 +166,10 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._disarm_idle()
-        if self._upgraded:  # nothing after an upgrade request is read
-            return
+        if self._upgraded or self.closing:  # nothing after the connection's last request
+            return  # is read (an upgrade, a refusal, ``Connection: close``)
+        if self._in_head:
+            self._head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as e:
@@ -171,7 +187,11 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             if self._upgraded:  # (bytes after an upgrade request are not read)
                 return
-            self._refuse(400, f"malformed HTTP request: {e}")
+            self._fail(400, f"malformed HTTP request: {e}")
+            return
+        if self._in_head and self._head_bytes > self.edge.config.max_header_bytes:
+            self._fail(431, f"request headers larger than "
+                            f"{self.edge.config.max_header_bytes} bytes")
             return
         if not self.busy and not self.queue and not self.closed:
             # nothing to answer yet: the rest of a request must keep coming (or, with
@@ -195,6 +215,7 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._reset()
         self._in_message = True
+        self._in_head = True
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -208,13 +229,18 @@ class _Connection(asyncio.Protocol):
             self._expect = value.lower() == b"100-continue"
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        # (what ``on_header`` gets from now on is a chunked body's trailers)
+        self._fields, self._headers = self._headers, []
         length = self._length
         if length is not None and length.isdigit() \
                 and int(length) > self.edge.config.max_body_bytes:
             self._too_large()
             return
-        if self._expect and self.transport is not None:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if self._expect and not self.busy and not self.queue:
+            # (else it waits for the answers before it: ``_next``)
+            self._expect = False
+            self._write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
         if self._refused:
@@ -230,7 +256,7 @@ class _Connection(asyncio.Protocol):
         if self._refused or self.closing:  # nothing after a refusal or a close is answered
             return
         parser = self.parser
-        headers = self._headers
+        headers = self._fields
         upgrading = self._upgrading
         if upgrading is not None:  # the body of an upgrade request, read: the last request
             self._upgrading = None
@@ -246,6 +272,10 @@ class _Connection(asyncio.Protocol):
         else:
             method, target = parser.get_method(), self._url
             keep_alive, version = parser.should_keep_alive(), parser.get_http_version()
+            if keep_alive and version == "1.0":
+                # an HTTP/1.0 client keeps the connection only when the answer says
+                # ``keep-alive``: the answers here say ``close`` instead
+                keep_alive = False
         path, query = split_target(target)
         body = self._body
         request = _Request(  # (positional: method, path, query, headers, body, keep-alive,
@@ -286,10 +316,15 @@ class _Connection(asyncio.Protocol):
         if not self.queue:
             if self.closing:
                 self._close()
+            elif self._in_message:
+                # a next request already arriving must keep coming (the read timeout)
+                if self._expect and not self._in_head:
+                    # its 100 Continue, held back until the answers before it were out
+                    self._expect = False
+                    self._write(_CONTINUE)
+                self._arm_idle(self.edge.config.read_timeout_s)
             else:
-                # a next request already arriving must keep coming (the read timeout);
-                # none begun: the connection is idle (the keep-alive one)
-                self._arm_idle(self.edge.config.read_timeout_s if self._in_message else None)
+                self._arm_idle()  # none begun: the connection is idle (the keep-alive one)
             return
         if self.paused and not self.closing and len(self.queue) < self.edge.config.max_queued \
                 and self.transport is not None:
@@ -408,6 +443,17 @@ class _Connection(asyncio.Protocol):
     def _refuse(self, status: int, message: str) -> None:
         self._write(json_response(status, error_json(status, message), False))
         self._close()
+
+    def _fail(self, status: int, message: str) -> None:
+        """Answers ``status`` (after the requests before it) and closes: nothing more is
+        read."""
+        self.queue.append(_Request(b"", b"", b"", [], b"", False, "1.1", preset=json_response(
+            status, error_json(status, message), False)))
+        self.closing = True
+        if self.transport is not None and not self.paused:
+            self.transport.pause_reading()
+            self.paused = True
+        self._next()
 
     def _too_large(self) -> None:
         """Answers 413 (after the requests before it) and closes: the rest of the body

@@ -415,7 +415,9 @@ def _check_generate_sampling(params: Any, eos_token_ids: Sequence[int],
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise APIError(400, f"sampling_params.ignore_eos must be a bool, got {ignore_eos!r}",
                        param="ignore_eos")
-    raw_ids = params.get("stop_token_ids") or []
+    raw_ids = params.get("stop_token_ids")
+    if raw_ids is None:  # (not ``or []``: a 0 or a "" is refused, not read as none)
+        raw_ids = []
     if not isinstance(raw_ids, list) or not all(is_token(t) and t >= 0 for t in raw_ids):
         raise APIError(400, "sampling_params.stop_token_ids must be a list of token ids >= 0",
                        param="stop_token_ids")
@@ -423,7 +425,7 @@ def _check_generate_sampling(params: Any, eos_token_ids: Sequence[int],
     if not ignore_eos:
         stop_ids += [t for t in eos_token_ids if t not in stop_ids]
     raw_stop = params.get("stop")
-    stop = [raw_stop] if isinstance(raw_stop, str) else raw_stop or []
+    stop = [raw_stop] if isinstance(raw_stop, str) else [] if raw_stop is None else raw_stop
     if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
         raise APIError(400, "sampling_params.stop must be a non-empty string or a list of "
                        "them", param="stop")
