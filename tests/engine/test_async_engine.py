@@ -14,7 +14,12 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from war.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from war.engine.async_engine import (
+    AsyncEngine,
+    DuplicateRequestError,
+    EngineClosedError,
+    EngineStepError,
+)
 from war.engine.config import EngineConfig
 from war.engine.engine import Engine
 from war.engine.loader import init_random
@@ -172,9 +177,17 @@ def test_value_error_propagates_and_engine_keeps_serving() -> None:
             # A request id in flight twice is refused without touching the first one.
             first = asyncio.ensure_future(ae.generate(req("dup", 3)))
             await asyncio.sleep(0)
-            with pytest.raises(ValueError, match="already in flight"):
+            with pytest.raises(DuplicateRequestError, match="already in flight"):
                 await ae.generate(req("dup", 1))
             assert len((await first).output_ids) == 3
+            long = asyncio.ensure_future(ae.generate(req("long", 10**9)))
+            await asyncio.sleep(0)
+            with pytest.raises(DuplicateRequestError, match="request long is already"):
+                await ae.generate_all([req("other", 1), req("long", 1)])
+            assert issubclass(DuplicateRequestError, ValueError)  # still a refusal
+            long.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await long
 
     run(main)
 

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -668,3 +669,95 @@ def test_finite_logprob_maps_what_json_cannot_hold() -> None:
 
     assert finite_logprob(float("nan")) is None and finite_logprob(float("inf")) is None
     assert finite_logprob(float("-inf")) == -9999.0 and finite_logprob(-0.5) == -0.5
+
+
+def test_an_unexpected_error_is_a_500_in_the_error_format() -> None:
+    class BadTokenizer:
+        def decode(self, ids: list[int]) -> str:
+            raise RuntimeError("cannot decode")
+
+    fake = FakeEngine()
+    fake.tokenizer = BadTokenizer()  # type: ignore[assignment]
+    ae = AsyncEngine(fake)  # type: ignore[arg-type]
+    try:
+        with TestClient(create_app(ae), raise_server_exceptions=False) as c:
+            r = c.post("/v1/completions", json={"prompt": [1, 2]})
+            assert r.status_code == 500
+            assert r.headers["content-type"] == "application/json"  # was text/plain
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and err["code"] == "internal_error"
+            assert c.post("/v1/history", json={"token_ids": [1]}).status_code == 200
+    finally:
+        asyncio.run(ae.close())
+
+
+def test_a_405_keeps_its_allow_header(client: TestClient) -> None:
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_request_id_already_in_flight_is_a_409() -> None:
+    fake = FakeEngine(step_s=0.001)
+    ae = AsyncEngine(fake)  # type: ignore[arg-type]
+    try:
+        with TestClient(create_app(ae)) as c:
+            first: dict[str, httpx.Response] = {}
+
+            def send_first() -> None:
+                first["r"] = c.post("/v1/completions", json={
+                    "prompt": [1], "max_tokens": 300, "request_id": "dup"})
+
+            th = threading.Thread(target=send_first)
+            th.start()
+            try:
+                deadline = time.monotonic() + 10.0
+                while "dup" not in fake._left and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                assert "dup" in fake._left
+                for body in ({"prompt": [2], "request_id": "dup"},
+                             {"prompt": [3], "max_tokens": 1},):
+                    r = c.post("/v1/completions", json=body,
+                               headers={"X-Request-Id": "dup"})
+                    assert r.status_code == 409, r.text
+                    err = r.json()["error"]
+                    assert err["code"] == "duplicate_request_id"
+                    assert err["param"] == "request_id" and "dup" in err["message"]
+            finally:
+                th.join(10.0)
+            assert first["r"].status_code == 200  # the first one was left alone
+            assert len(first["r"].json()["choices"][0]["token_ids"]) == 300
+    finally:
+        asyncio.run(ae.close())
+
+
+def test_completion_bodies_refused_before_the_handler_are_counted(
+        async_engine: AsyncEngine) -> None:
+    with TestClient(create_app(async_engine, model_name="tiny")) as c:
+        assert c.post("/v1/completions", json={"prompt": [1], "nope": 1}).status_code == 400
+        assert c.post("/v1/completions", content=b"{",
+                      headers={"content-type": "application/json"}).status_code == 400
+        assert c.get("/v1/completions").status_code == 405  # not a completion request
+        text = c.get("/metrics").text
+        assert 'war_http_requests_total{status="400"} 2.0' in text, text
+        assert 'status="405"' not in text
+        assert "war_http_request_seconds_count 0.0" in text
+
+
+def test_a_body_over_the_limit_is_a_413(async_engine: AsyncEngine) -> None:
+    app = create_app(async_engine, model_name="tiny", max_body_bytes=1000)
+    big = b'{"prompt": [' + b"1, " * 400 + b'1]}'
+    json_type = {"content-type": "application/json"}
+    with TestClient(app) as c:
+        for content in (big, iter([big[:600], big[600:]])):  # declared, and chunked
+            r = c.post("/v1/completions", content=content, headers=json_type)
+            assert r.status_code == 413, r.text
+            assert "larger than 1000 bytes" in r.json()["error"]["message"]
+        r = c.post("/v1/history", content=big.replace(b"prompt", b"token_ids"),
+                   headers=json_type)
+        assert r.status_code == 413
+        small = b'{"prompt": [5, 6], "max_tokens": 1}'
+        for content in (small, iter([small[:5], small[5:]])):
+            assert c.post("/v1/completions", content=content,
+                          headers=json_type).status_code == 200
+        assert 'war_http_requests_total{status="413"} 2.0' in c.get("/metrics").text

@@ -91,6 +91,10 @@ class EngineClosedError(RuntimeError):
     """The ``AsyncEngine`` is closed (or closed while the request was in flight)."""
 
 
+class DuplicateRequestError(ValueError):
+    """A request's id is that of one already in flight (a conflict, not a bad request)."""
+
+
 class EngineStepError(RuntimeError):
     """``Engine.step()`` raised while the request was in flight; ``__cause__`` is the error.
 
@@ -231,7 +235,7 @@ class AsyncEngine:
 
         def add(engine: EngineLike) -> object:
             if rid in self._inflight:
-                raise ValueError(f"request {rid} is already in flight")
+                raise DuplicateRequestError(f"request {rid} is already in flight")
             engine.add_request(request)
             self._inflight[rid] = waiter
             return _PENDING
@@ -256,7 +260,7 @@ class AsyncEngine:
         def add(engine: EngineLike) -> None:
             dup = next((r.request_id for r in reqs if r.request_id in self._inflight), None)
             if dup is not None:
-                raise ValueError(f"request {dup} is already in flight")
+                raise DuplicateRequestError(f"request {dup} is already in flight")
             if isinstance(engine, BatchEngine):
                 engine.add_requests(reqs)
             else:

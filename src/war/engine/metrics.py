@@ -110,10 +110,11 @@ class ReplicaMetrics:
             registry=self.registry,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0))
 
-    def observe_request(self, status: int, seconds: float) -> None:
-        """Counts one answered completion request."""
+    def observe_request(self, status: int, seconds: float | None) -> None:
+        """Counts one answered completion request (``seconds``: None when unknown)."""
         self._requests.labels(status=str(status)).inc()
-        self._latency.observe(seconds)
+        if seconds is not None:
+            self._latency.observe(seconds)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -3,9 +3,10 @@
 Knows: the request and response shapes of ``POST /v1/completions`` (token-id
 prompts first; strings when the engine has a tokenizer) and WAR's extensions
 (trajectory/group ids, priority, per-request speculation figures), how each
-field maps to a ``GenRequest``, how mistakes are reported (a 4xx with an
-OpenAI-style ``{"error": {...}}`` body; the server keeps serving), the side
-endpoints (``/health``, ``/v1/models``, ``/v1/load``, ``/v1/history``,
+field maps to a ``GenRequest``, how mistakes are reported (a 4xx, or a 500, with
+an OpenAI-style ``{"error": {...}}`` body; the server keeps serving; a body over
+``MAX_BODY_BYTES`` is a 413), the side endpoints (``/health``, ``/v1/models``,
+``/v1/load``, ``/v1/history``,
 ``/v1/rl_step``, ``/v1/trajectories/finish``, ``/metrics``), bearer-token auth,
 and that a request whose client hung up is aborted in the engine.
 
@@ -28,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from war.api import (
     APIError,
@@ -45,9 +47,49 @@ from war.api import (
     unless_disconnected,
     validation_message,
 )
-from war.engine.async_engine import AsyncEngine, EngineClosedError, EngineLike, EngineStepError
+from war.engine.async_engine import (
+    AsyncEngine,
+    DuplicateRequestError,
+    EngineClosedError,
+    EngineLike,
+    EngineStepError,
+)
 from war.engine.metrics import CONTENT_TYPE, ReplicaMetrics
 from war.types import GenRequest, GenResult, SamplingParams, UnknownTrajectory
+
+MAX_BODY_BYTES = 64 << 20  # as the router's: a larger request body is a 413
+
+
+class _BodyLimit:
+    """ASGI middleware: reading a request body of more than ``max_bytes`` (declared or
+    sent) raises a 413, which the app answers in its error format, instead of the
+    whole body being buffered. Paths that never read their body are unaffected."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_bytes
+        declared = Headers(scope=scope).get("content-length", "")
+        size = int(declared) if declared.isdigit() else 0
+
+        async def limited() -> Message:
+            nonlocal size
+            if size > limit:
+                raise StarletteHTTPException(413, f"request body larger than {limit} bytes")
+            message = await receive()
+            if message["type"] == "http.request" and not declared:  # chunked: count
+                size += len(message.get("body", b""))
+                if size > limit:
+                    raise StarletteHTTPException(
+                        413, f"request body larger than {limit} bytes")
+            return message
+
+        await self.app(scope, limited, send)
 
 
 def _check_unicode(value: str | None, param: str) -> None:
@@ -279,16 +321,18 @@ class _Completions:
 
 
 def create_app(async_engine: AsyncEngine, model_name: str = "war",
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """A FastAPI app serving ``async_engine`` (started here if it is not running yet;
     closing it stays with the caller). With ``api_key``, every endpoint but
-    ``/health`` needs ``Authorization: Bearer <api_key>``."""
+    ``/health`` needs ``Authorization: Bearer <api_key>``. A request body over
+    ``max_body_bytes`` is a 413."""
     async_engine.start()
     app = FastAPI(title="WAR replica", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ReplicaMetrics(async_engine)
     completions = _Completions(async_engine, model_name)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
 
@@ -296,15 +340,32 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return error_response(exc)
 
+    def count_unparsed(request: Request, status: int) -> None:
+        # A completion body refused before the handler ran is answered too; its
+        # latency is not known (and not a completion's), so only the count.
+        if request.method == "POST" and request.url.path == "/v1/completions":
+            metrics.observe_request(status, None)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        count_unparsed(request, 400)
         return error_response(APIError(400, validation_message(exc)))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        count_unparsed(request, exc.status_code)
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
             exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
-        return error_response(APIError(exc.status_code, str(exc.detail), kind))
+        # (its headers: a 405's Allow)
+        return error_response(APIError(exc.status_code, str(exc.detail), kind),
+                              dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the client's fault; the body keeps the OpenAI shape (Starlette's
+        # own is plain text) and the error is still raised to the server's log.
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}",
+                                       "server_error", "internal_error"))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> JSONResponse:
@@ -324,6 +385,9 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
                 results = await unless_disconnected(request, async_engine.generate_all(reqs))
             except UnknownTrajectory as e:  # the client resends the whole context
                 raise APIError(409, str(e), code="unknown_trajectory") from None
+            except DuplicateRequestError as e:
+                raise APIError(409, str(e), code="duplicate_request_id",
+                               param="request_id") from None
             except ValueError as e:  # refused by the engine
                 raise APIError(400, str(e)) from None
             except ClientDisconnected:
