@@ -14,23 +14,10 @@ from rich.console import Console
 
 pytest.importorskip("war.spec._C", reason="native core war.spec._C is not built")
 
+from cli_helpers import SYNTHETIC_EXPERIMENT
+
 from war import data
 from war.cli.main import main  # after the skip: it imports the native core
-
-SYNTHETIC = """\
-name: tiny
-workload: {kind: synthetic, rl_steps: 1, group_size: 2, num_tasks: 2, copies: true,
-           turns_median: 2.0, max_turns: 3, response_median: 20.0, max_response: 50,
-           tool_tokens_median: 10.0, task_tokens_median: 20.0, system_tokens: 10,
-           tool_median_s: 0.1}
-cost: {kind: linear, intercept_s: 0.01, per_token_s: 1.0e-5, kv_tokens: 65536}
-sim: {num_replicas: 2, max_tokens: 128}
-drafts: live
-loads: [1]
-configs:
-  rr: {policy: round_robin, spec_mode: "off"}
-  war: {policy: war, spec_mode: always}
-"""
 
 
 def _sample_traces(path: Path, n: int = 2) -> Path:
@@ -65,9 +52,9 @@ def test_sim_json_over_an_input_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     exp = tmp_path / "exp.yaml"
-    exp.write_text(SYNTHETIC, encoding="utf-8")
+    exp.write_text(SYNTHETIC_EXPERIMENT, encoding="utf-8")
     _refused(["sim", "--config", str(exp), "--json", str(exp)], "is the --config file", capsys)
-    assert exp.read_text(encoding="utf-8") == SYNTHETIC
+    assert exp.read_text(encoding="utf-8") == SYNTHETIC_EXPERIMENT
     # a trace experiment: its own trace file, and one given with --traces
     traces = _sample_traces(tmp_path / "tr.jsonl")
     before = traces.read_bytes()
@@ -91,7 +78,7 @@ def test_sim_traces_of_a_synthetic_workload_are_refused(
 ) -> None:
     """--traces would be ignored: the synthetic workload reads no trace file."""
     exp = tmp_path / "exp.yaml"
-    exp.write_text(SYNTHETIC, encoding="utf-8")
+    exp.write_text(SYNTHETIC_EXPERIMENT, encoding="utf-8")
     traces = _sample_traces(tmp_path / "t.jsonl")
     out = tmp_path / "out.json"
     _refused(["sim", "--config", str(exp), "--json", str(out), "--traces", str(traces)],
@@ -103,7 +90,7 @@ def test_sim_configuration_named_twice_runs_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     exp = tmp_path / "exp.yaml"
-    exp.write_text(SYNTHETIC, encoding="utf-8")
+    exp.write_text(SYNTHETIC_EXPERIMENT, encoding="utf-8")
     out = tmp_path / "out.json"
     assert main(["sim", "--config", str(exp), "--json", str(out), "--workers", "1",
                  "--configs", "rr", "rr"]) == 0

@@ -10,22 +10,10 @@ import pytest
 
 pytest.importorskip("war.spec._C", reason="native core war.spec._C is not built")
 
+from cli_helpers import SYNTHETIC_EXPERIMENT
+
 from war import data
 from war.cli.main import main  # after the skip: it imports the native core
-
-TINY_SIM = """\
-name: tiny
-workload: {kind: synthetic, rl_steps: 1, group_size: 2, num_tasks: 2, copies: true,
-           turns_median: 2.0, max_turns: 3, response_median: 20.0, max_response: 50,
-           tool_tokens_median: 10.0, task_tokens_median: 20.0, system_tokens: 10,
-           tool_median_s: 0.1}
-cost: {kind: linear, intercept_s: 0.01, per_token_s: 1.0e-5, kv_tokens: 65536}
-sim: {num_replicas: 2, max_tokens: 128}
-drafts: live
-loads: [1]
-configs:
-  rr: {policy: round_robin, spec_mode: "off"}
-"""
 
 
 def _one_line(argv: list[str], status: int, prefix: str, message: str,
@@ -117,7 +105,7 @@ def test_sim_refuses_a_report_named_as_the_plots_folder(
 
     monkeypatch.setattr(experiment, "run_experiment", _no_work)
     exp = tmp_path / "exp.yaml"
-    exp.write_text(TINY_SIM, encoding="utf-8")
+    exp.write_text(SYNTHETIC_EXPERIMENT, encoding="utf-8")
     out = tmp_path / "out"
     for plots in (out, tmp_path / "sub" / ".." / "out"):
         _one_line(["sim", "--config", str(exp), "--json", str(out), "--plots", str(plots)], 1,

@@ -5,6 +5,7 @@ serving), auth, side endpoints, and ``war serve`` as a subprocess."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -646,7 +647,9 @@ def test_empty_history_items_and_weights_path_are_refused(client: TestClient) ->
     assert r.status_code == 400 and r.json()["error"]["message"] == "path must not be empty"
 
 
-def test_a_response_that_fails_is_counted_as_a_500() -> None:
+@contextlib.contextmanager
+def _client_whose_responses_fail() -> Iterator[TestClient]:
+    """A server whose completion responses fail to render (the detokenizer raises)."""
     class BadTokenizer:
         def decode(self, ids: list[int]) -> str:
             raise RuntimeError("cannot decode")
@@ -656,12 +659,17 @@ def test_a_response_that_fails_is_counted_as_a_500() -> None:
     ae = AsyncEngine(fake)  # type: ignore[arg-type]
     try:
         with TestClient(create_app(ae), raise_server_exceptions=False) as c:
-            assert c.post("/v1/completions", json={"prompt": [1, 2]}).status_code == 500
-            text = c.get("/metrics").text
-            assert 'war_http_requests_total{status="500"} 1.0' in text, text
-            assert 'status="200"' not in text
+            yield c
     finally:
         asyncio.run(ae.close())
+
+
+def test_a_response_that_fails_is_counted_as_a_500() -> None:
+    with _client_whose_responses_fail() as c:
+        assert c.post("/v1/completions", json={"prompt": [1, 2]}).status_code == 500
+        text = c.get("/metrics").text
+        assert 'war_http_requests_total{status="500"} 1.0' in text, text
+        assert 'status="200"' not in text
 
 
 def test_finite_logprob_maps_what_json_cannot_hold() -> None:
@@ -672,23 +680,13 @@ def test_finite_logprob_maps_what_json_cannot_hold() -> None:
 
 
 def test_an_unexpected_error_is_a_500_in_the_error_format() -> None:
-    class BadTokenizer:
-        def decode(self, ids: list[int]) -> str:
-            raise RuntimeError("cannot decode")
-
-    fake = FakeEngine()
-    fake.tokenizer = BadTokenizer()  # type: ignore[assignment]
-    ae = AsyncEngine(fake)  # type: ignore[arg-type]
-    try:
-        with TestClient(create_app(ae), raise_server_exceptions=False) as c:
-            r = c.post("/v1/completions", json={"prompt": [1, 2]})
-            assert r.status_code == 500
-            assert r.headers["content-type"] == "application/json"  # was text/plain
-            err = r.json()["error"]
-            assert err["type"] == "server_error" and err["code"] == "internal_error"
-            assert c.post("/v1/history", json={"token_ids": [1]}).status_code == 200
-    finally:
-        asyncio.run(ae.close())
+    with _client_whose_responses_fail() as c:
+        r = c.post("/v1/completions", json={"prompt": [1, 2]})
+        assert r.status_code == 500
+        assert r.headers["content-type"] == "application/json"  # was text/plain
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and err["code"] == "internal_error"
+        assert c.post("/v1/history", json={"token_ids": [1]}).status_code == 200
 
 
 def test_a_405_keeps_its_allow_header(client: TestClient) -> None:
