@@ -79,15 +79,13 @@ class _BodyLimit:
 
         async def limited() -> Message:
             nonlocal size
-            if size > limit:
-                raise StarletteHTTPException(413, f"request body larger than {limit} bytes")
-            message = await receive()
-            if message["type"] == "http.request" and not declared:  # chunked: count
-                size += len(message.get("body", b""))
-                if size > limit:
-                    raise StarletteHTTPException(
-                        413, f"request body larger than {limit} bytes")
-            return message
+            if size <= limit:  # (a declared length over it is refused before reading)
+                message = await receive()
+                if message["type"] == "http.request" and not declared:  # chunked: count
+                    size += len(message.get("body", b""))
+                if size <= limit:
+                    return message
+            raise StarletteHTTPException(413, f"request body larger than {limit} bytes")
 
         await self.app(scope, limited, send)
 
