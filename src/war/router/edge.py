@@ -447,8 +447,12 @@ class _Connection(asyncio.Protocol):
     def _fail(self, status: int, message: str) -> None:
         """Answers ``status`` (after the requests before it) and closes: nothing more is
         read."""
-        self.queue.append(_Request(b"", b"", b"", [], b"", False, "1.1", preset=json_response(
-            status, error_json(status, message), False)))
+        self._last_answer(json_response(status, error_json(status, message), False))
+
+    def _last_answer(self, answer: bytes, method: bytes = b"", path: bytes = b"") -> None:
+        """Queues ``answer`` behind the requests before it as the connection's last and
+        stops reading."""
+        self.queue.append(_Request(method, path, b"", [], b"", False, "1.1", preset=answer))
         self.closing = True
         if self.transport is not None and not self.paused:
             self.transport.pause_reading()
@@ -468,13 +472,7 @@ class _Connection(asyncio.Protocol):
             status = 413
             limit = self.edge.config.max_body_bytes
             body = error_json(413, f"request body larger than {limit} bytes")
-        self.queue.append(_Request(method, path, b"", [], b"", False, "1.1",
-                                   preset=json_response(status, body, False)))
-        self.closing = True
-        if self.transport is not None and not self.paused:
-            self.transport.pause_reading()
-            self.paused = True
-        self._next()
+        self._last_answer(json_response(status, body, False), method, path)
 
     # The keep-alive timer is armed once per idle period, not once per request: it
     # checks, when it fires, whether the connection has been idle for long enough.
