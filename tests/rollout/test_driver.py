@@ -596,3 +596,60 @@ def test_a_score_outside_zero_one_is_an_error_not_a_reward(score: float) -> None
     assert traj.finish_reason == "error" and traj.reward == 0.0
     assert traj.error is not None and "[0, 1]" in traj.error
     assert traj.num_turns == 2 and traj.messages[-1]["role"] == "assistant"
+
+
+def test_an_env_that_cannot_be_made_is_written_and_reported(tmp_path: Path) -> None:
+    """A trajectory whose environment cannot be built fails like any other: it is
+    written to the step's file and ``on_done`` hears of it (the progress counts it)."""
+    from war.rollout.envs import register, unregister
+
+    def broken(**kwargs: Any) -> Any:
+        raise OSError("no sandbox")
+
+    def tasks_of(n: int, seed: int) -> list[Any]:
+        return [dataclasses.replace(t, task_id=f"nb-{t.task_id}", env="no_build")
+                for t in sample_tasks("calculator", n, seed)]
+
+    register("no_build", broken, tasks_of)
+    seen: list[str] = []
+    try:
+        out = run_step(tasks_of(2, 0), [ScriptedReplica()], IO, RolloutConfig(group_size=1),
+                       output=tmp_path / "s.jsonl", on_done=lambda t: seen.append(
+                           t.trajectory_id))
+    finally:
+        unregister("no_build")
+    assert [t.finish_reason for t in out] == ["error", "error"]
+    assert all("cannot make env" in (t.error or "") for t in out)
+    assert sorted(seen) == sorted(t.trajectory_id for t in out)
+    assert read_jsonl(tmp_path / "s.jsonl") == out
+
+
+def test_a_replica_at_its_limit_does_not_hold_the_step_limit() -> None:
+    """With both ``max_in_flight`` and ``max_in_flight_per_replica``, a trajectory
+    waiting for its replica's slot does not hold one of the step's slots: the other
+    replica starts at once instead of after the first replica's trajectories."""
+    events: list[str] = []
+
+    class Named(ScriptedReplica):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        async def generate(self, req: GenRequest) -> GenResult:
+            events.append(self.name)
+            await asyncio.sleep(0.002)
+            return await super().generate(req)
+
+    tasks = sample_tasks("calculator", 2, 11)
+    reps = {"a": Named("a"), "b": Named("b")}
+    for t in tasks:
+        for g in range(3):
+            for r in reps.values():
+                r.script(trajectory_id(0, t.task_id, g), t)
+    out = run_step(tasks, reps, IO, RolloutConfig(group_size=3, max_in_flight=2,
+                                                  max_in_flight_per_replica=1),
+                   on_done=lambda t: events.append("done"))
+    assert all(t.reward == 1.0 for t in out)
+    assert {t.replica_ids[0] for t in out} == {"a", "b"}
+    first_done = events.index("done")
+    assert {"a", "b"} <= set(events[:first_done]), events  # both replicas busy at once

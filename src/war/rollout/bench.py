@@ -65,11 +65,13 @@ async def run_config(cfg: RunConfig, model_dir: Path, tasks_by_step: Sequence[li
     """One configuration on fresh replicas: every step in turn; all trajectories."""
     run = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, spec_mode=spec_mode))
     replicas = make_replicas(run, model_dir)
-    for r in replicas.values():
-        r.start()
-    io = PolicyIO.from_folder(model_dir)
     out: list[Trajectory] = []
     try:
+        # (in the try: a replica that fails to start, or a model folder without a
+        # tokenizer, must not leave the replicas already started running)
+        for r in replicas.values():
+            r.start()
+        io = PolicyIO.from_folder(model_dir)
         for step, tasks in enumerate(tasks_by_step):
             for r in replicas.values():
                 await r.observe_rl_step(step)

@@ -142,27 +142,33 @@ async def run_step_async(
                    for name in named}
     writer = JsonlWriter(output) if output is not None else None
 
+    async def episode(task: Task, sample: int, traj_id: str, name: str) -> Trajectory:
+        try:
+            env = make(task.env)
+        except Exception as exc:  # a broken environment fails this trajectory only
+            # (and is written and reported like any other failed trajectory)
+            return _failed(task, sample, traj_id, cfg, f"cannot make env: {exc!r}")
+        try:
+            return await run_episode(
+                task, env, named[name], io, cfg.agent, trajectory_id=traj_id,
+                group_id=task.task_id, rl_step=cfg.rl_step, sample_index=sample,
+                seed=_seed(cfg.seed, traj_id), replica_name=name)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return _failed(task, sample, traj_id, cfg, repr(exc))
+        finally:
+            try:
+                await asyncio.to_thread(env.close)
+            except Exception as exc:  # the episode is over: it keeps its outcome
+                log.warning("closing env %s of %s failed: %r", task.env, traj_id, exc)
+
     async def one(task: Task, sample: int, traj_id: str) -> Trajectory:
         name = placement[task.task_id]
-        async with limit, per_replica[name]:
-            try:
-                env = make(task.env)
-            except Exception as exc:  # a broken environment fails this trajectory only
-                return _failed(task, sample, traj_id, cfg, f"cannot make env: {exc!r}")
-            try:
-                traj = await run_episode(
-                    task, env, named[name], io, cfg.agent, trajectory_id=traj_id,
-                    group_id=task.task_id, rl_step=cfg.rl_step, sample_index=sample,
-                    seed=_seed(cfg.seed, traj_id), replica_name=name)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                traj = _failed(task, sample, traj_id, cfg, repr(exc))
-            finally:
-                try:
-                    await asyncio.to_thread(env.close)
-                except Exception as exc:  # the episode is over: it keeps its outcome
-                    log.warning("closing env %s of %s failed: %r", task.env, traj_id, exc)
+        # The replica's slot first: a trajectory waiting for its replica must not hold
+        # one of the step's slots, which another replica's trajectory could use.
+        async with per_replica[name], limit:
+            traj = await episode(task, sample, traj_id, name)
         if writer is not None:
             writer.append(traj)
         if on_done is not None:
