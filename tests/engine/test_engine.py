@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from engine_helpers import tiny_model
 
 from war.engine.config import EngineConfig
 from war.engine.engine import Engine
+from war.engine.loader import save_model
 from war.engine.model import CausalLM
 from war.spec.config import SpecConfig
 from war.types import GenRequest, GenResult, SamplingParams
@@ -180,6 +182,27 @@ def test_weight_reload_mid_flight_recomputes(model64: CausalLM) -> None:
     assert out[0].weight_version == 1 and out[0].num_preemptions == 1
     assert len(out[0].output_ids) == 12
     eng.check_integrity()
+
+
+@pytest.mark.parametrize("odd", ["array", "ints"])
+def test_weights_that_are_not_float_tensors_are_refused_before_any_is_copied(odd: str) -> None:
+    # A value that is no float tensor failed in its copy, after the tensors before it
+    # had been copied: the weights were half updated while the version, the prefix
+    # cache and the sequences in flight stayed as they were.
+    eng = make_engine(tiny_model(0), spec_mode="off")
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    prompt = tuple(range(3, 20))
+    want = eng.generate([GenRequest("a", prompt, sp)])[0]
+    before = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    new = dict(tiny_model(5).state_dict())
+    last = list(new)[-1]
+    new[last] = new[last].numpy() if odd == "array" else new[last].long()  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=last):
+        eng.load_weights(new)
+    assert all(torch.equal(v, before[k]) for k, v in eng.model.state_dict().items())
+    assert eng.weight_version == 0
+    again = eng.generate([GenRequest("b", prompt, sp)])[0]
+    assert again.output_ids == want.output_ids and again.num_cached_tokens > 0
 
 
 def test_priority_orders_the_queue(model64: CausalLM) -> None:
@@ -471,3 +494,27 @@ def test_an_infinite_temperature_is_refused(model64: CausalLM) -> None:
     [res] = eng.generate([GenRequest("ok", (1, 2, 3), SamplingParams(temperature=1e300,
                                                                       max_tokens=4, seed=1))])
     assert len(res.output_ids) == 4
+
+
+@pytest.mark.parametrize("other", [{"tie_word_embeddings": True}, {"rms_norm_eps": 0.25},
+                                   {"rope_theta": 500.0}])
+def test_a_folder_of_another_architecture_is_refused(other: dict[str, object],
+                                                     tmp_path: Path) -> None:
+    # Its tensors have the engine's names and shapes, so they loaded, and the engine
+    # then served a model that was neither (with a tied engine an untied folder's head
+    # was dropped; the folder's eps or RoPE never applied).
+    eng = make_engine(tiny_model(0, **other), spec_mode="off")
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    want = eng.generate([GenRequest("a", (3, 4, 5), sp)])[0]
+    save_model(tiny_model(3, torch.float32), tmp_path)
+    name = next(iter(other))
+    with pytest.raises(ValueError, match=name):
+        eng.load_weights(tmp_path)
+    assert eng.weight_version == 0
+    again = eng.generate([GenRequest("b", (3, 4, 5), sp)])[0]
+    assert again.output_ids == want.output_ids
+    same = make_engine(tiny_model(0), spec_mode="off")
+    assert same.load_weights(tmp_path) == 1  # the same architecture loads
+    fresh = make_engine(tiny_model(3), spec_mode="off")
+    assert same.generate([GenRequest("c", (3, 4, 5), sp)])[0].output_ids == \
+        fresh.generate([GenRequest("c", (3, 4, 5), sp)])[0].output_ids

@@ -32,6 +32,7 @@ from war.engine.config import EngineConfig
 from war.engine.drafting import TrajectoryDrafts
 from war.engine.loader import load_model, torch_device
 from war.engine.model import CausalLM
+from war.engine.model_config import ModelConfig
 from war.engine.sampling import make_generator
 from war.engine.scheduler import Scheduler
 from war.engine.sequence import SeqStatus, Sequence
@@ -72,6 +73,21 @@ def _outside_vocab(ids: Seq[object], vocab: int,
     return next((i for i, t in enumerate(ids)
                  if isinstance(t, bool) or not isinstance(t, kinds) or not 0 <= t < vocab),
                 None)
+
+
+# What a weight update must not change: everything of a model config but its special
+# token ids and its context length (which RoPE scaling has already read).
+_ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings",
+                 "attention_bias")
+
+
+def _architecture_differences(ours: ModelConfig, theirs: ModelConfig) -> list[str]:
+    """The fields of ``_ARCHITECTURE`` in which two configs differ, as ``name (ours vs
+    theirs)``."""
+    return [f"{n} ({getattr(ours, n)!r} vs {getattr(theirs, n)!r})" for n in _ARCHITECTURE
+            if getattr(ours, n) != getattr(theirs, n)]
 
 
 class Engine:
@@ -280,8 +296,18 @@ class Engine:
         """Replaces the model's weights (a state dict or a Hugging Face folder).
 
         In-flight sequences are preempted and recomputed with the new weights;
-        the prefix cache is cleared. Returns the new weight version."""
+        the prefix cache is cleared. Returns the new weight version. A folder whose
+        config describes another architecture (``_ARCHITECTURE``) is a ValueError, and
+        so are tensors that do not fit; either changes nothing."""
         if isinstance(weights, (str, Path)):
+            # Only the weights are taken: a folder of another architecture whose tensors
+            # have the same shapes (an untied head, another norm eps or RoPE) would
+            # load into a model that is neither.
+            differ = _architecture_differences(
+                self.model_config, ModelConfig.from_file(Path(weights) / "config.json"))
+            if differ:
+                raise ValueError(f"{weights}: the model's config differs from the engine's "
+                                 f"in {', '.join(differ)}")
             weights = load_model(weights, dtype=self.dtype, device=self.device).state_dict()
         self.model.load_weights(weights)  # validates before changing anything
         self.stats.num_preemptions += len(self.scheduler.preempt_all())

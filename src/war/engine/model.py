@@ -181,9 +181,16 @@ class CausalLM(nn.Module):
     def load_weights(self, state_dict: Mapping[str, Tensor], *, strict: bool = True) -> None:
         """Copy ``state_dict`` into the parameters in place (cast to their dtype and device).
 
-        Everything is validated (``check_weights``) before anything is copied. With
+        Everything is validated (``check_weights``, and every value is a floating-point
+        tensor with data) before anything is copied. With
         ``strict=False`` a subset of the parameters may be given (chunked updates).
         """
+        # checked first: ``copy_`` would raise on such a value after copying earlier ones
+        odd = sorted(n for n, t in state_dict.items()
+                     if not isinstance(t, Tensor) or not t.is_floating_point() or t.is_meta)
+        if odd:
+            raise ValueError(f"values that are not floating-point tensors with data: "
+                             f"{_names(odd)}")
         skip = self.check_weights({n: t.shape for n, t in state_dict.items()}, strict=strict)
         params = dict(self.named_parameters())
         with torch.no_grad():
