@@ -168,6 +168,8 @@ def test_failover_retries_elsewhere_with_the_whole_context() -> None:
     _first, second, want = asyncio.run(main())
     assert second.output_ids == want.output_ids
     assert r.stats.retries == 1 and r.stats.replicas_marked_down == 1
+    # the continuing turn went whole to the other replica: counted as a resent context
+    assert r.stats.resent_contexts == 1
     assert len(policy.down) == 1 and (policy.down[0], False) in policy.completed
 
 
@@ -219,6 +221,8 @@ def test_a_continuing_turn_goes_whole_to_any_replica_but_its_home() -> None:
 
     asyncio.run(main())
     assert r.stats.retries == 1 and r.stats.completed == 5
+    # every whole send of a continuing turn counts: turns 1 and 2, turn 4 twice
+    assert r.stats.resent_contexts == 4
 
 
 def test_a_continuing_turn_moved_without_its_context_goes_back_to_the_client() -> None:
@@ -598,3 +602,50 @@ def test_history_flush_s_must_be_finite() -> None:
         with pytest.raises(ValueError, match="history_flush_s must be a finite number"):
             RouterConfig(history_flush_s=bad)
     assert RouterConfig(history_flush_s=0).history_flush_s == 0
+
+
+def test_a_continuing_turn_sent_back_to_its_client_is_not_counted_as_retried() -> None:
+    r, reps, _ = router("a", "b")
+
+    async def main() -> None:
+        _, where = await r.route(GenRequest("t/0", (1, 2), SP, trajectory_id="t"), None, False)
+        reps[where].down = True  # its home fails; the router holds no context to resend
+        with pytest.raises(UnknownTrajectory):
+            await r.route(GenRequest("t/1", (7,), SP, trajectory_id="t", continues=True))
+
+    asyncio.run(main())
+    assert r.stats.failed == 1 and r.stats.retries == 0  # nothing was sent again
+
+
+def test_a_replica_rejoins_only_with_a_fresh_load_report() -> None:
+    r, _reps, _ = router("a", "b")
+    seen: list[bool] = []
+
+    class BadLoad(Echo):
+        """Answers its health check; its load report fails (or, once ``ok``, is
+        checked while the router's view of it is recorded)."""
+
+        ok = False
+
+        async def load(self) -> ReplicaLoad:
+            seen.append(r.replicas["b"].healthy)
+            if not self.ok:
+                raise ReplicaUnavailable("load: 500")
+            return ReplicaLoad(0, 0, 0, 3, 100, 16)
+
+    bad = BadLoad("b")
+    r.replicas["b"].backend = bad
+
+    async def main() -> None:
+        await r.check_health()  # b was up: marked down by its failed load report
+        assert not r.replicas["b"].healthy and r.stats.replicas_marked_down == 1
+        for _ in range(3):  # its health check passes, its load still fails: stays down
+            await r.check_health()
+        assert not r.replicas["b"].healthy and r.stats.replicas_marked_down == 1
+        bad.ok = True
+        await r.check_health()
+
+    asyncio.run(main())
+    # never offered to requests while its load was being asked for after going down
+    assert seen == [True, False, False, False, False]
+    assert r.replicas["b"].healthy and r.views()[1].kv_free_tokens == 97 * 16

@@ -238,3 +238,24 @@ def test_a_failed_acquire_leaves_no_trace() -> None:
     router.policy = good
     router.acquire_server("t1", prompt_ids=[1, 2])
     assert good.selected[-1].request_id == "t1#0"
+
+
+def test_removing_a_server_ends_its_open_requests_in_the_policy() -> None:
+    # A removed server's open requests are never released: the policy must hear that
+    # they failed there, or the war policy counts them in flight for good (the
+    # trajectory never idles, so it never counts among its group's finished samples).
+    router = WarVerlRouter(servers(2), dict(YAML))
+    sid, _ = router.acquire_server("t1", prompt_ids=[1, 2, 3])
+    router.remove_servers([sid])
+    progress = router.policy.progress.progress("t1")
+    assert progress is not None and progress.in_flight == 0
+    sid2, _ = router.acquire_server("t1", prompt_ids=[1, 2, 3, 4])
+    router.release_server(sid2, request_id="t1")
+    progress = router.policy.progress.progress("t1")
+    assert progress is not None and progress.in_flight == 0 and progress.turns == 1
+
+    policy = Recording()
+    router = WarVerlRouter(servers(2), dict(YAML), policy_factory=lambda: policy)
+    a, _ = router.acquire_server("t1", prompt_ids=[1])
+    router.remove_servers([a])
+    assert policy.down == [a] and policy.completed == [("t1#0", a, None)]

@@ -152,7 +152,7 @@ class RouterStats:
     failed: int = 0
     retries: int = 0
     migrations: int = 0
-    resent_contexts: int = 0
+    resent_contexts: int = 0  # continuing turns sent with the whole context (per send)
     contexts_dropped: int = 0  # held contexts dropped for the bounds (not finished ones)
     trajectories_released: int = 0  # ended trajectories reported to their replica
     replicas_marked_down: int = 0
@@ -288,6 +288,7 @@ class Router:
                 if name in tried or name != home:
                     if full is not None:
                         send = dataclasses.replace(send, prompt_ids=full, continues=False)
+                        self.stats.resent_contexts += 1
                     elif home is not None:
                         self.policy.on_complete(request, None, name, self._clock())
                         self.stats.failed += 1
@@ -317,13 +318,13 @@ class Router:
                     self.stats.failed += 1
                     raise NoReplicaAvailable(
                         f"request {request.request_id}: failed on {sorted(tried)}") from exc
-                self.stats.retries += 1
-                if full is None and request.continues:
+                if full is None and request.continues:  # (not retried: no retry counted)
                     self.stats.failed += 1
                     raise UnknownTrajectory(
                         f"request {request.request_id}: its replica failed and the router "
                         "does not hold the trajectory's context; send the whole context"
                     ) from exc
+                self.stats.retries += 1
                 continue
             except BaseException:
                 self.policy.on_complete(request, None, name, self._clock())
@@ -519,22 +520,32 @@ class Router:
     async def _check(self, name: str, rep: _Replica) -> None:
         """One replica's part of a round (``check_health``); never raises."""
         timeout = self.config.health_timeout_s
+        back = False  # a down replica answered its health check
         try:
             async with asyncio.timeout(timeout):
                 if not rep.healthy:
                     if not await rep.backend.health():
                         return
-                    rep.healthy = True
-                    log.warning("replica %s is back", name)
+                    back = True
                 rep.load = await rep.backend.load()
+            # (a replica rejoins only with its new load report: meanwhile it is offered
+            # to no request, with the report from before it went down or otherwise)
+            if back:
+                self._rejoin(name, rep)
         except ReplicaUnavailable as exc:
-            self._mark_down(name, exc)
+            self._mark_down(name, exc)  # (one that is down stays down, counted once)
         except TimeoutError:  # (the bound above, or the backend's own)
             if rep.healthy:  # (a down replica whose health check hangs stays down)
                 self._mark_down(name, ReplicaUnavailable(
                     f"{name}: no health or load answer within {timeout} s"))
         except Exception as exc:  # a load report is advisory
             log.debug("load of %s failed: %r", name, exc)
+            if back:
+                self._rejoin(name, rep)
+
+    def _rejoin(self, name: str, rep: _Replica) -> None:
+        rep.healthy = True
+        log.warning("replica %s is back", name)
 
     async def _health_loop(self) -> None:
         while True:

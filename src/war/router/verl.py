@@ -252,14 +252,20 @@ class WarVerlRouter:
                 if sid not in self._servers:
                     continue
                 del self._servers[sid]
+                self.policy.on_replica_down(sid, now)
                 for lease in self._leases.pop(sid).values():
                     open_ = self._by_trajectory.get(lease.trajectory)
                     if open_ is not None:
                         open_.pop(lease.key, None)
                         if not open_:
                             del self._by_trajectory[lease.trajectory]
+                    if lease.generation == self._generation:
+                        # its release will never come: the policy learns it failed
+                        # there (as the router tells it of a replica's failure), or it
+                        # counts the request in flight for good (the war policy's
+                        # trajectory never idles, so never counts as finished)
+                        self.policy.on_complete(lease.request, None, sid, now)
                 del self._tokens[sid]
-                self.policy.on_replica_down(sid, now)
 
     def get_all_servers(self) -> list[str]:
         with self._lock:
