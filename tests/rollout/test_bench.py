@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from rollout_fakes import RecordingReplica
 
 from war.rollout import bench
 from war.rollout.run import RunConfig
@@ -18,28 +19,18 @@ def test_a_configuration_that_fails_to_start_closes_its_replicas(
     tokenizer."""
     events: list[str] = []
 
-    class Replica:
-        def __init__(self, name: str, fails: bool) -> None:
-            self.name, self.fails = name, fails
-
-        def start(self) -> None:
-            if self.fails:
-                raise RuntimeError(f"{self.name} cannot start")
-            events.append(f"start {self.name}")
-
-        async def close(self) -> None:
-            events.append(f"close {self.name}")
-
     cfg = RunConfig(name="b", output_dir=str(tmp_path))
     monkeypatch.setattr(bench, "make_replicas", lambda cfg, model: {
-        "replica0": Replica("replica0", False), "replica1": Replica("replica1", False)})
+        "replica0": RecordingReplica("replica0", False, events),
+        "replica1": RecordingReplica("replica1", False, events)})
     with pytest.raises(ValueError, match=r"tokenizer\.json"):  # (tmp_path holds no model)
         asyncio.run(bench.run_config(cfg, tmp_path, [], "auto", None))
     assert events == ["start replica0", "start replica1", "close replica0", "close replica1"]
 
     events.clear()
     monkeypatch.setattr(bench, "make_replicas", lambda cfg, model: {
-        "replica0": Replica("replica0", False), "replica1": Replica("replica1", True)})
+        "replica0": RecordingReplica("replica0", False, events),
+        "replica1": RecordingReplica("replica1", True, events)})
     with pytest.raises(RuntimeError, match="replica1 cannot start"):
         asyncio.run(bench.run_config(cfg, tmp_path, [], "auto", None))
     assert events == ["start replica0", "close replica0", "close replica1"]

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rollout_fakes import RecordingReplica
 
 from war.cli.main import main
 from war.rollout.run import (
@@ -240,20 +241,9 @@ def test_a_failed_start_leaves_no_replica_running(
 
     events: list[str] = []
 
-    class Replica:
-        def __init__(self, name: str, fails: bool) -> None:
-            self.name, self.fails = name, fails
-
-        def start(self) -> None:
-            if self.fails:
-                raise RuntimeError(f"{self.name} cannot start")
-            events.append(f"start {self.name}")
-
-        async def close(self) -> None:
-            events.append(f"close {self.name}")
-
     monkeypatch.setattr(run_mod, "make_replicas", lambda cfg, model: {
-        "replica0": Replica("replica0", False), "replica1": Replica("replica1", True)})
+        "replica0": RecordingReplica("replica0", False, events),
+        "replica1": RecordingReplica("replica1", True, events)})
     cfg = RunConfig(name="r", model=str(random_policy), output_dir=str(tmp_path))
     with pytest.raises(RuntimeError, match="replica1 cannot start"):
         asyncio.run(run_mod.run_rollout(cfg))
