@@ -75,12 +75,11 @@ def _outside_vocab(ids: Seq[object], vocab: int,
                 None)
 
 
-# What a weight update must not change: everything of a model config but its special
+# What a weight update must not change: every field of a model config but its special
 # token ids and its context length (which RoPE scaling has already read).
-_ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
-                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                 "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings",
-                 "attention_bias")
+_ARCHITECTURE = tuple(f.name for f in dataclasses.fields(ModelConfig)
+                      if f.name not in ("max_position_embeddings", "bos_token_id",
+                                        "eos_token_id", "pad_token_id"))
 
 
 def _architecture_differences(ours: ModelConfig, theirs: ModelConfig) -> list[str]:
