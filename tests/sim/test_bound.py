@@ -15,7 +15,14 @@ import pytest
 from sim_helpers import trajectory
 
 from war.sim.costs import LinearCost
-from war.sim.metrics import StepMetrics, decode_step_time, replica_capacity, shared_prefix_lens
+from war.sim.metrics import (
+    StepMetrics,
+    decode_step_time,
+    hold_time,
+    replica_capacity,
+    shared_prefix_lens,
+    work_time,
+)
 from war.sim.replica import ReplicaConfig
 from war.sim.simulator import SimConfig, Simulator
 from war.sim.synthetic import SyntheticConfig, synthetic_workload
@@ -28,7 +35,8 @@ def _check(steps: list[StepMetrics]) -> None:
     for m in steps:
         if not m.trajectories:
             continue
-        for name, term in (("work", m.work_s), ("longest", m.longest_s), ("kv", m.kv_s)):
+        for name, term in (("work", m.work_s), ("longest", m.longest_s), ("kv", m.kv_s),
+                           ("hold", m.hold_s)):
             assert term <= m.makespan * SLACK, (name, term, m.makespan, m.rl_step)
 
 
@@ -113,3 +121,75 @@ def test_random_small_fleets(seed: int) -> None:
                     policy=rng.choice(["round_robin", "cache_aware", "war", "least_load"]),
                     replica=rc)
     _check(Simulator(cfg, LinearCost(0.01, 1e-4, rng.choice([0.0, 1e-6])), wl).run().steps)
+
+
+def _step(generated: int, context: int) -> StepMetrics:
+    """A step of ``generated`` single-token passes at a mean context of ``context``."""
+    return StepMetrics(rl_step=0, start=0.0, end=1.0, trajectories=1, generated=generated,
+                       passes=generated, context_sum=generated * context)
+
+
+def test_hold_time_is_the_work_term_without_gaps_and_grows_with_them() -> None:
+    cost = LinearCost(0.01, 1e-3)
+    m = _step(20_000, 1000)
+    work = work_time(m, 0, cost, 10_000, 256, 8192, 1)
+    assert hold_time(m, 0, cost, 10_000, 256, 8192, 1, []) == pytest.approx(work)
+    # gaps of no tokens or no latency hold nothing
+    assert hold_time(m, 0, cost, 10_000, 256, 8192, 1, [(0, 5.0), (1000, 0.0)]) == (
+        pytest.approx(work))
+    last = work
+    for seconds in (0.5, 1.0, 2.0, 4.0):
+        t = hold_time(m, 0, cost, 10_000, 256, 8192, 1, [(1000, seconds)] * 40)
+        assert t > last
+        last = t
+    # two replicas share the gaps (and the work)
+    two = hold_time(m, 0, cost, 10_000, 256, 8192, 2, [(1000, 2.0)] * 40)
+    assert two < hold_time(m, 0, cost, 10_000, 256, 8192, 1, [(1000, 2.0)] * 40)
+
+
+def _all_held(m: StepMetrics, cost: LinearCost, kv: int, held: float) -> float:
+    """The makespan of keeping every context: the least ``T`` at which the KV left
+    beside ``held`` token-seconds (``kv - held / T`` on average) decodes the step."""
+    lo, hi = 0.0, 1e7
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if work_time(m, 0, cost, kv - held / mid, 256, 8192, 1, partial=True) <= mid:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@pytest.mark.parametrize("cost", [LinearCost(0.01, 1e-3), LinearCost(0.01, 1e-4),
+                                  LinearCost(0.02, 1e-3, 1e-6), LinearCost(0.01)])
+def test_hold_time_is_at_most_the_best_whole_choice(cost: LinearCost) -> None:
+    """Against the two choices computed apart: keep every context (a fixed point) or
+    compute every one again (their tokens as prompt work). The bound is at most the
+    better of them, at least the work term, and close to the better one (a mix can
+    only gain a little over it on these steps)."""
+    m = _step(20_000, 1000)
+    gaps = [(1000, 5.0)] * 40
+    work = work_time(m, 0, cost, 10_000, 256, 8192, 1)
+    held = _all_held(m, cost, 10_000, sum(n * s for n, s in gaps))
+    recompute = work_time(m, 40_000, cost, 10_000, 256, 8192, 1)
+    t = hold_time(m, 0, cost, 10_000, 256, 8192, 1, gaps)
+    assert work <= t <= min(held, recompute) * (1 + 1e-6)
+    assert t >= 0.95 * min(held, recompute)
+
+
+@pytest.mark.parametrize("policy", ["war", "round_robin"])
+@pytest.mark.parametrize("hold", [0.0, 10.0])
+def test_contexts_kept_between_turns(policy: str, hold: float) -> None:
+    """16 six-turn trajectories on a replica whose KV holds about three of them, tool
+    calls of 2 s and prompt tokens that cost 1 ms: a context is either kept through
+    its tool call or computed again, and the bound counts that (over twice the other
+    terms here), still below the makespan."""
+    trajs = tuple(trajectory(f"t{i}", 400, [40] * 6, tool_s=2.0, base=10**5 * i)
+                  for i in range(16))
+    cfg = SimConfig(num_replicas=1, policy=policy,
+                    replica=ReplicaConfig(spec_mode="off", num_kv_blocks=80, kv_hold_s=hold))
+    steps = Simulator(cfg, LinearCost(0.01, 1e-3), Workload("held", (trajs,))).run().steps
+    _check(steps)
+    for m in steps:
+        assert m.hold_s > 2 * max(m.work_s, m.kv_s, m.longest_s)
+        assert m.lower_bound == m.hold_s

@@ -7,8 +7,8 @@ requests and speculation budget per time bin) and how to summarise a run. Does n
 know the event loop; ``war.sim.simulator`` fills these in.
 
 Lower bound of a step's makespan: ``max(work / fleet capacity, the longest
-trajectory's sequential time, KV occupancy / fleet KV)``, for the run's own
-speculation quality:
+trajectory's sequential time, KV occupancy / fleet KV, the work with what the gaps
+between turns keep)``, for the run's own speculation quality:
 
 * capacity of a replica: the best over every batch size ``b`` up to ``max_num_seqs``
   that the KV holds of ``b * tau / step_time(b, ...)``, with ``tau`` the run's tokens
@@ -32,6 +32,12 @@ speculation quality:
   binds when contexts are long for the KV (tens of thousands of tokens per
   trajectory): a replica then cannot run enough trajectories at once to reach its
   compute capacity.
+* the gaps between turns (``hold_time``): across a tool call a trajectory's context
+  either stays in a KV for the whole latency, leaving less of the KV to decode with,
+  or is computed again, adding prompt work. The work term at the KV left beside the
+  held token-seconds (their mean over the makespan), plus what is recomputed, for the
+  best such choice. It binds when contexts are long, the KV holds few of them and
+  recomputing a context costs more than a short wait.
 
 The terms use per-turn and per-step means, so the bound is an estimate: a step can
 end up to about 1 % before it (``tests/sim/test_bound.py`` checks that on small
@@ -40,6 +46,7 @@ fleets of every kind).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -81,6 +88,7 @@ class StepMetrics:
     work_s: float = 0.0
     longest_s: float = 0.0
     kv_s: float = 0.0
+    hold_s: float = 0.0
     finish_times: list[float] = field(default_factory=list)  # trajectories, from start
 
     @property
@@ -89,7 +97,7 @@ class StepMetrics:
 
     @property
     def lower_bound(self) -> float:
-        return max(self.work_s, self.longest_s, self.kv_s)
+        return max(self.work_s, self.longest_s, self.kv_s, self.hold_s)
 
 
 def prefill_time(cost: CostModel, tokens: int, context: int, chunk: int) -> float:
@@ -170,12 +178,18 @@ def replica_capacity(cost: CostModel, tau: float, k: float, context: float, kv_t
                        shared_once)[0]
 
 
-def _best_batch(cost: CostModel, tau: float, k: float, context: float, kv_tokens: int,
-                max_num_seqs: int, shared: float, shared_once: int,
+def _best_batch(cost: CostModel, tau: float, k: float, context: float, kv_tokens: float,
+                max_num_seqs: int, shared: float, shared_once: int, partial: bool = False,
                 ) -> tuple[float, int, float]:
-    """(rate, batch size, the batch's context read) of ``replica_capacity``."""
+    """(rate, batch size, the batch's context read) of ``replica_capacity``. With
+    ``partial``, a KV that holds less than one sequence runs one that fraction of the
+    time (without it, one sequence always runs: the full KV of a replica holds every
+    turn the simulator lets run)."""
     read = context + 1 + k  # a sequence's KV that a step reads
     own = max(0.0, read - shared)  # and stores beside the shared prefixes
+    if partial and own + shared_once > kv_tokens:
+        frac = max(0.0, kv_tokens - shared_once) / (own if own > 0 else 1.0)
+        return frac * tau / decode_step_time(cost, 1, k, read), 1, read
     best = (0.0, 1, read)
     for b in range(1, max_num_seqs + 1):
         if b > 1 and b * own + shared_once > kv_tokens:
@@ -273,24 +287,89 @@ def min_prefill_tokens(trajs: Sequence[SimTrajectory]) -> int:
     return total
 
 
-def work_time(m: StepMetrics, prefill_tokens: int, cost: CostModel, kv_tokens: int,
+def work_time(m: StepMetrics, prefill_tokens: int, cost: CostModel, kv_tokens: float,
               max_num_seqs: int, chunk: int, num_replicas: int, shared_sum: int = 0,
-              shared_min: int = 0) -> float:
+              shared_min: int = 0, partial: bool = False) -> float:
     """The step's work over the fleet's capacity (module docstring). ``shared_sum``: the
     shared first tokens (``shared_prefix_lens``) summed over the step's sampling passes,
     ``shared_min``: the least a trajectory that shares any shares (a batch of them holds
-    at least that once)."""
+    at least that once). ``partial``: see ``_best_batch`` (a KV of less than one
+    sequence gives a capacity below one sequence's rate; infinite time at none)."""
     if m.passes == 0:
         return 0.0
     tau = m.generated / m.passes
     k = m.drafted / m.passes
     mean = m.context_sum / m.passes
     cap, b, ctx = _best_batch(cost, tau, k, mean, kv_tokens, max_num_seqs,
-                              shared_sum / m.passes, shared_min)
+                              shared_sum / m.passes, shared_min, partial)
     prefill = prefill_time_bound(cost, b, k, ctx, chunk, prefill_tokens, m.passes / b)
     # (a step whose turns all have empty responses generates nothing: cap is 0 then)
+    if m.generated and cap <= 0.0:
+        return math.inf
     generate = m.generated / cap if m.generated else 0.0
     return (generate + prefill) / num_replicas
+
+
+HOLD_GRID = 32
+"""Cut points of ``hold_time``'s search over which contexts to recompute."""
+
+
+def hold_time(m: StepMetrics, prefill_tokens: int, cost: CostModel, kv_tokens: int,
+              max_num_seqs: int, chunk: int, num_replicas: int,
+              gaps: Sequence[tuple[int, float]], shared_sum: int = 0,
+              shared_min: int = 0) -> float:
+    """The work term with what the turns' gaps take (module docstring): the least
+    makespan ``T`` for which some choice of which gaps' contexts to recompute has
+    ``work(KV less the held contexts' mean) + recompute <= T``.
+
+    ``gaps``: per gap between two turns of a trajectory, the context its next turn
+    needs (less its shared first tokens) and the tool latency between them. Across a
+    gap a context is either resident for the whole latency (a replica's KV over the
+    step holds, besides its decoding sequences, ``tokens * seconds`` of it, which
+    leaves a mean of ``KV - held / T`` tokens for decoding) or recomputed (its tokens
+    prefilled again: prompt tokens of the work term). Recomputing the gaps of the
+    longest latencies first frees the most KV per recomputed token; the search tries
+    ``HOLD_GRID`` cut points in that order and, between two of them, charges the larger
+    saving with the smaller recompute, so its value is never above the best fractional
+    choice. Capacity is taken at the mean free KV (the rate is
+    concave in the KV: a time-varying split does no better). ``T`` is found by
+    bisection: the condition only gets easier as ``T`` grows."""
+    gaps = sorted(((n, s) for n, s in gaps if n > 0 and s > 0), key=lambda g: -g[1])
+
+    def work(kv: float, extra: int = 0) -> float:
+        return work_time(m, prefill_tokens + extra, cost, kv, max_num_seqs, chunk,
+                         num_replicas, shared_sum, shared_min, partial=True)
+
+    base = work(kv_tokens)
+    if not gaps or m.passes == 0:
+        return base
+    # token-seconds per replica still held, and tokens recomputed, when the first j
+    # gaps' contexts are recomputed
+    held, recomputed = [sum(n * s for n, s in gaps) / num_replicas], [0]
+    for n, s in gaps:
+        held.append(max(0.0, held[-1] - n * s / num_replicas))
+        recomputed.append(recomputed[-1] + n)
+    held[-1] = 0.0
+    cuts = sorted({round(i * len(gaps) / HOLD_GRID) for i in range(HOLD_GRID + 1)})
+
+    def feasible(t: float) -> bool:
+        # between cuts a < b: no more KV held than at b, no more recomputed than at a
+        return any(work(kv_tokens - held[b] / t, recomputed[a]) <= t
+                   for a, b in itertools.pairwise(cuts))
+
+    hi = work(kv_tokens, recomputed[-1])  # every context recomputed: the full KV decodes
+    lo = base
+    if hi <= lo or not feasible(hi):
+        return lo
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-6 * hi:
+            break
+    return lo
 
 
 @dataclass
@@ -356,5 +435,5 @@ class SimResult:
             "truncated_trajectories": self.truncated, "dropped_trajectories": self.dropped,
             "steps": [{"makespan_s": m.makespan, "lower_bound_s": m.lower_bound,
                        "work_s": m.work_s, "longest_s": m.longest_s, "kv_s": m.kv_s,
-                       "generated": m.generated} for m in s],
+                       "hold_s": m.hold_s, "generated": m.generated} for m in s],
         }

@@ -37,6 +37,7 @@ from war.sim.metrics import (
     StepMetrics,
     Timeline,
     TurnRecord,
+    hold_time,
     kv_token_seconds,
     min_prefill_tokens,
     sequential_time,
@@ -352,9 +353,16 @@ class Simulator:
         shared = shared_prefix_lens(trajs)
         shared_sum = sum(p * sum(r.passes for r in st.records)
                          for p, st in zip(shared, states, strict=True))
+        shared_min = min((p for p in shared if p), default=0)
         m.work_s = work_time(m, prefill, self.cost, r0.kv.capacity_tokens,
                              rc.max_num_seqs, chunk, self.config.num_replicas,
-                             shared_sum, min((p for p in shared if p), default=0))
+                             shared_sum, shared_min)
+        # Between two turns a trajectory's context stays in a KV or is computed again.
+        gaps = [(max(0, st.records[j + 1].context - p), st.records[j].tool_s)
+                for p, st in zip(shared, states, strict=True)
+                for j in range(len(st.records) - 1)]
+        m.hold_s = hold_time(m, prefill, self.cost, r0.kv.capacity_tokens, rc.max_num_seqs,
+                             chunk, self.config.num_replicas, gaps, shared_sum, shared_min)
         m.longest_s = max((sequential_time(st.records, self.cost, chunk) for st in states),
                           default=0.0)
         kv = sum(kv_token_seconds(st.records, self.cost, chunk, p)
