@@ -89,6 +89,100 @@ def _architecture_differences(ours: ModelConfig, theirs: ModelConfig) -> list[st
             if getattr(ours, n) != getattr(theirs, n)]
 
 
+# Stop strings: the old tokens decoded again with a step's new ones (the window)
+# start at this many and double while that is too few (see ``stop_string_cut``).
+_STOP_WINDOW_TOKENS = 8
+# Characters at the start of a window whose text may differ from the full text's
+# (decoded without the tokens before it: up to 3 lone UTF-8 continuation bytes of
+# byte-level BPE, a word piece's "##", a first token's stripped leading space). A
+# stop string is only looked for past them.
+_STOP_WINDOW_SLACK = 16
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (linear time)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def stop_string_cut(detok: Detokenizer, ids: Seq[int], start: int, new: Seq[int],
+                    stops: tuple[str, ...]) -> int | None:
+    """How many of the ``new`` tokens to keep, given that they follow the output so far
+    ``ids[start:]``, if a stop string completed among them: the least ``j >= 1`` for
+    which the text of ``ids[start:] + new[:j]`` contains one of ``stops`` (the first
+    completion wins, whichever stop it is, as decoding token by token would find it);
+    None when the text of ``ids[start:] + new`` contains none (also when ``new`` or
+    ``stops`` is empty).
+
+    Assumes what the engine guarantees: the text of the output so far contains no
+    stop string (else it would have stopped). A stop string can then only newly
+    appear in text that the new tokens changed or added, or in the ``len(stop) - 1``
+    characters before it. That text is found by decoding a window, the last few
+    output tokens with the new ones, against the same window without them: past
+    their common prefix. The window grows (doubling) until that common prefix is at
+    least ``longest stop - 1 + _STOP_WINDOW_SLACK`` characters long, or is the whole
+    output, so that where the text of the window's first tokens depends on the
+    tokens before it (byte-level BPE: a token may be bytes of a character begun
+    before it, and text ending in a partial character reads as U+FFFD until the
+    character completes) lies before what is searched. Hence the cuts are those of
+    decoding the whole output again at each of the ``new`` tokens (exactly so for
+    detokenizers in which a token's text depends on at most ``_STOP_WINDOW_SLACK``
+    characters' worth of tokens before it: byte-level BPE, word level, word pieces,
+    characters), while the tokens decoded per call are O(new tokens + longest stop):
+    the new tokens and those that hold the last ``longest stop + _STOP_WINDOW_SLACK``
+    characters or so, not O(output). (Times the new tokens in the one step in which
+    a stop completes, to find the first token that completes it.)
+    """
+    if not new or not stops:
+        return None
+    reach = max(len(s) for s in stops) - 1 + _STOP_WINDOW_SLACK
+    new = list(new)
+    size = _STOP_WINDOW_TOKENS
+    while True:
+        lo = max(len(ids) - size, start)
+        cut = _stop_cut_in_window(detok, list(ids[lo:]), new, stops,
+                                  reach if lo > start else 0)
+        if cut != -1:
+            return cut
+        size *= 2
+
+
+def _stop_cut_in_window(detok: Detokenizer, old: list[int], new: list[int],
+                        stops: tuple[str, ...], reach: int) -> int | None:
+    """``stop_string_cut`` for a window of the ``old`` output tokens before the
+    ``new`` ones; -1 where a decoded window and the window without the new tokens
+    share fewer than ``reach`` leading characters (a wider window is needed)."""
+    before = detok.decode(old)
+
+    def completes(j: int) -> bool | None:
+        text = detok.decode(old + new[:j])
+        same = _common_prefix_len(before, text)
+        if same < reach:
+            return None
+        # Text up to ``same`` is the old text's, which holds no stop string.
+        return any(s in text[max(same - len(s) + 1, 0):] for s in stops)
+
+    hit = completes(len(new))
+    if not hit:
+        return None if hit is False else -1
+    for j in range(1, len(new)):
+        hit = completes(j)
+        if hit is None:
+            return -1
+        if hit:
+            return j
+    return len(new)
+
+
 class Engine:
     """One replica: continuous batching with prefix caching and load-aware
     speculation. Not thread-safe; one loop calls ``step()``."""
@@ -481,9 +575,7 @@ class Engine:
             # Even when a stop token ended the step's tokens: with drafts one step emits
             # several, and a stop string may complete before that token. The first cut
             # wins, as decoding token by token would have found it first.
-            out = seq.output_ids
-            out.extend(tokens)
-            cut = self._stop_string_cut(out, len(tokens), sp.stop)
+            cut = self._stop_string_cut(seq.token_ids, seq.num_prompt, tokens, sp.stop)
             if cut is not None:
                 tokens, logprobs = tokens[:cut], logprobs[:cut]
                 stopped = True
@@ -520,19 +612,13 @@ class Engine:
             return True
         return False
 
-    def _stop_string_cut(self, out: list[int], num_new: int, stops: tuple[str, ...]
-                         ) -> int | None:
-        """How many of the ``num_new`` newest tokens of the output ``out`` to keep if a
-        stop string completed among them (None: no stop string)."""
+    def _stop_string_cut(self, ids: Seq[int], start: int, new: Seq[int],
+                         stops: tuple[str, ...]) -> int | None:
+        """How many of this step's ``new`` tokens to keep if a stop string completed
+        among them (None: no stop string); the output so far is ``ids[start:]`` (not
+        copied). See ``stop_string_cut``: the work does not grow with the output."""
         assert self.tokenizer is not None
-        if not any(s in self.tokenizer.decode(out) for s in stops):
-            return None
-        base = len(out) - num_new
-        for j in range(1, num_new + 1):
-            text = self.tokenizer.decode(out[: base + j])
-            if any(s in text for s in stops):
-                return j
-        return num_new
+        return stop_string_cut(self.tokenizer, ids, start, new, stops)
 
     def _slots(self, seq: Sequence, positions: list[int]) -> torch.Tensor:
         bs = self.kv.block_size
