@@ -17,6 +17,20 @@ class ReplicaUnavailable(RuntimeError):
     process, 5xx): the router marks it down and retries the request elsewhere."""
 
 
+class CredentialsRefused(ValueError):
+    """The replica refused the caller's credentials (HTTP 401 or 403): the key sent is
+    missing or wrong. A ``ValueError`` (the request as sent cannot succeed there), with
+    the backend's ``name``, the answer's ``status``, the refused ``call``
+    (``"POST /v1/completions"``) and the replica's own ``detail``."""
+
+    def __init__(self, name: str, status: int, call: str, detail: str) -> None:
+        super().__init__(f"{name}: {call} refused ({status}): {detail}")
+        self.name = name
+        self.status = status
+        self.call = call
+        self.detail = detail
+
+
 class Backend(Protocol):
     """One replica. ``generate`` is idempotent by ``request.request_id`` as far as
     the caller is concerned: the router may send the same request to another

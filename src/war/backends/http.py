@@ -32,7 +32,7 @@ import httpx
 import orjson
 
 from war.backends import h1
-from war.backends.base import ReplicaUnavailable
+from war.backends.base import CredentialsRefused, ReplicaUnavailable
 from war.types import FINISH_REASONS, GenRequest, GenResult, ReplicaLoad, UnknownTrajectory
 
 DEFAULT_TIMEOUT_S = 600.0  # a whole generation; long responses take minutes
@@ -259,6 +259,8 @@ def raise_for_answer(answer: Answer, name: str) -> None:
     where = f"{name}: {answer.method} {answer.path}"
     if status == 409 and code == "unknown_trajectory":
         raise UnknownTrajectory(message)
+    if status in (401, 403):
+        raise CredentialsRefused(name, status, f"{answer.method} {answer.path}", message)
     if 400 <= status < 500:
         raise ValueError(f"{where} refused ({status}): {message}")
     raise ReplicaUnavailable(f"{where} failed ({status}): {message}")

@@ -5,8 +5,10 @@ Knows the options of the command, how they become backends (``make_backend`` on 
 how to serve the app with ``war.router.edge`` (its generation endpoints without ASGI,
 the rest through the app), the router's health checks running for the app's lifetime
 (started and stopped by its lifespan). Binds 127.0.0.1 unless told otherwise;
-the API key comes from ``--api-key`` or ``WAR_API_KEY``. A spec or option it cannot use
-is reported on one line with exit status 2.
+the API key clients must send comes from ``--api-key`` or ``WAR_API_KEY``, and the key
+the router sends every replica (``war serve --api-key`` there) from
+``--replica-api-key`` or ``WAR_REPLICA_API_KEY``; neither is ever printed. A spec or
+option it cannot use is reported on one line with exit status 2.
 
 Does not know how requests are placed (``war.router``), how replicas are reached
 (``war.backends``) nor the HTTP API (``war.router.server``).
@@ -33,6 +35,7 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 POLICIES = ("war", "cache_aware", "least_load", "round_robin")
 BAD_USAGE_STATUS = 2
+REPLICA_KEY_ENV = "WAR_REPLICA_API_KEY"
 
 
 def add_route_command(commands: Subparsers) -> None:
@@ -53,6 +56,10 @@ def add_route_command(commands: Subparsers) -> None:
     p.add_argument("--port", type=int, default=8080, help="port to bind (default: 8080)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (default: $WAR_API_KEY, if set)")
+    p.add_argument("--replica-api-key", default=None, metavar="KEY",
+                   help="send 'Authorization: Bearer KEY' on every call to the replicas "
+                        "(their war serve --api-key; default: $WAR_REPLICA_API_KEY, if set, "
+                        "which other users cannot read from the process list)")
     p.add_argument("--eos-token-id", type=int, action="append", default=[], metavar="ID",
                    help="stop token added to requests without ignore_eos (repeat for several; "
                         "the router has no tokenizer to read it from)")
@@ -77,22 +84,45 @@ def _fail(message: str) -> int:
     return BAD_USAGE_STATUS
 
 
+def replica_api_key(args: argparse.Namespace) -> str | None:
+    """The key sent to the replicas: ``--replica-api-key``, else ``$WAR_REPLICA_API_KEY``
+    (empty: none). Raises ``ValueError`` (without the key) for one that would break the
+    ``Authorization`` header."""
+    key: str | None = (getattr(args, "replica_api_key", None)
+                       or os.environ.get(REPLICA_KEY_ENV) or None)
+    _check_replica_key(key)
+    return key
+
+
+def _check_replica_key(key: str | None) -> None:
+    if key is None:
+        return
+    if any((c < " " and c != "\t") or c >= "\x7f" for c in key):
+        raise ValueError(f"--replica-api-key (or {REPLICA_KEY_ENV}) holds a control or "
+                         "non-ASCII character (a trailing newline?)")
+    if not key.strip():
+        raise ValueError(f"--replica-api-key (or {REPLICA_KEY_ENV}) is blank")
+
+
 def build_router(specs: list[str], policy: str, health_interval_s: float = 1.0,
-                 max_attempts: int = 4, health_timeout_s: float = 5.0) -> Router:
-    """A router over ``make_backend(spec)`` for each spec. Raises ``ValueError`` for a
-    spec or setting it cannot use."""
+                 max_attempts: int = 4, health_timeout_s: float = 5.0,
+                 replica_api_key: str | None = None) -> Router:
+    """A router over ``make_backend(spec, api_key=replica_api_key)`` for each spec (the
+    key goes to every replica as ``Authorization: Bearer``). Raises ``ValueError`` for
+    a spec or setting it cannot use."""
     from war.backends import make_backend
     from war.router.policies import make_policy
     from war.router.router import Router, RouterConfig
 
     if not specs:
         raise ValueError("at least one --replica is needed")
+    _check_replica_key(replica_api_key)
     config = RouterConfig(max_attempts=max_attempts, health_interval_s=health_interval_s,
                           health_timeout_s=health_timeout_s)
     backends = []
     for spec in specs:
         try:
-            backends.append(make_backend(spec))
+            backends.append(make_backend(spec, api_key=replica_api_key))
         except ValueError as e:
             raise ValueError(f"--replica {spec!r}: {e}") from None
     names = [b.name for b in backends]
@@ -126,7 +156,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     if bad is not None:
         raise ValueError(f"--eos-token-id must be >= 0, got {bad}")
     router = build_router(args.replica, args.policy, args.health_interval, args.max_attempts,
-                          args.health_timeout)
+                          args.health_timeout, replica_api_key(args))
     api_key: str | None = args.api_key or os.environ.get("WAR_API_KEY") or None
     return create_router_app(router, api_key=api_key, eos_token_ids=args.eos_token_id,
                              model_name=args.served_model_name, manage_router=True)

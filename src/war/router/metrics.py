@@ -53,6 +53,9 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Times a replica was marked down."),
     ("war_router_trajectories_released", "trajectories_released",
      "Ended trajectories reported to the replica holding them."),
+    ("war_router_replica_auth_refusals", "auth_refusals",
+     "Calls replicas refused for the router's credentials (401/403: a missing or wrong "
+     "replica API key)."),
 )
 
 # (name, key of the replica's row in ``Router.fleet_load()``, help, kind)
@@ -65,6 +68,9 @@ _PER_REPLICA: tuple[tuple[str, str, str, str], ...] = (
      "gauge"),
     ("war_router_replica_served", "served", "Requests the replica answered.", "counter"),
     ("war_router_replica_failures", "failures", "Failures seen on the replica.", "counter"),
+    ("war_router_replica_auth_refused", "auth_refused",
+     "1 while the replica refuses the router's credentials (since its last served "
+     "request), else 0.", "gauge"),
 )
 
 

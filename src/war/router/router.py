@@ -15,6 +15,13 @@ replica that served its trajectory's last turn (the router's record, not the
 policy's): any other is sent the whole context. A background task checks down
 replicas' health (all replicas at once, each within a bound) and lets them rejoin.
 Requests fail only when no replica is left or retries run out.
+
+A replica that refuses the router's credentials (HTTP 401 or 403: the router was given
+no key for it, or the wrong one) is a configuration error, not a failure: the request
+fails at once with ``ReplicaAuthRefused`` naming the replica (no retry elsewhere, the
+replica is not marked down), the refusal is counted and logged once (again only after
+a request to that replica has succeeded); refusals of the health loop's load polls, of
+forwarded history and of finished trajectories are counted and logged the same way.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from war.backends.base import Backend, ReplicaUnavailable
+from war.backends.base import Backend, CredentialsRefused, ReplicaUnavailable
 from war.router.policies.base import ReplicaView, RoutingPolicy
 from war.types import GenRequest, GenResult, ReplicaLoad, UnknownTrajectory
 
@@ -39,6 +46,47 @@ log = logging.getLogger(__name__)
 
 class NoReplicaAvailable(RuntimeError):
     """Every replica is down (or the retries ran out)."""
+
+
+class ReplicaAuthRefused(RuntimeError):
+    """A replica refused the router's credentials (HTTP 401 or 403): the key the router
+    sends it (``war route --replica-api-key``) is missing or wrong. Not retried on
+    another replica: the fleet is misconfigured, and the operator should hear of it.
+
+    ``replica``: its name; ``status``: 401 or 403; ``call``: the refused call
+    (``POST /v1/completions``); ``detail``: the replica's own message (truncated). The
+    key itself is never part of it."""
+
+    def __init__(self, replica: str, status: int, call: str, detail: str = "") -> None:
+        self.replica = replica
+        self.status = status
+        self.call = call
+        self.detail = detail
+        said = f": {detail}" if detail else ""
+        super().__init__(
+            f"replica {replica} refused the router's API key ({status} on {call}{said}); "
+            "the router must send the replicas' key (war route --replica-api-key or "
+            "WAR_REPLICA_API_KEY)")
+
+
+_DETAIL_CHARS = 200
+
+
+def auth_refusal(exc: BaseException, backend_name: str, replica: str | None = None
+                 ) -> ReplicaAuthRefused | None:
+    """``exc`` as a ``ReplicaAuthRefused`` when it says that the backend named
+    ``backend_name`` (the replica the router calls ``replica``, by default the same)
+    refused the router's credentials: the backend's ``CredentialsRefused`` (a 401 or
+    403 answer), or a ``ReplicaAuthRefused`` raised by the backend itself. None for
+    anything else."""
+    if isinstance(exc, ReplicaAuthRefused):
+        return exc
+    if not isinstance(exc, CredentialsRefused) or exc.name != backend_name:
+        return None
+    detail = exc.detail.strip()
+    if len(detail) > _DETAIL_CHARS:
+        detail = detail[:_DETAIL_CHARS] + "..."
+    return ReplicaAuthRefused(replica or backend_name, exc.status, exc.call, detail)
 
 
 @dataclass(frozen=True)
@@ -115,8 +163,8 @@ class _Replica:
     flight there, and its last load report (with the parts of a ``ReplicaView`` the
     report gives, worked out once per report rather than once per request)."""
 
-    __slots__ = ("_load", "backend", "failures", "healthy", "load_view", "num_requests",
-                 "served", "takes_priority", "tokens_in_flight")
+    __slots__ = ("_load", "auth_refused", "backend", "failures", "healthy", "load_view",
+                 "num_requests", "served", "takes_priority", "tokens_in_flight")
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -127,6 +175,8 @@ class _Replica:
         self.tokens_in_flight = 0
         self.served = 0
         self.failures = 0
+        # it refused the router's credentials (401/403) since its last served request
+        self.auth_refused = False
         self.load = None
 
     @property
@@ -157,6 +207,7 @@ class RouterStats:
     trajectories_released: int = 0  # ended trajectories reported to their replica
     replicas_marked_down: int = 0
     history_forwarded: int = 0
+    auth_refusals: int = 0  # calls replicas refused for the router's credentials (401/403)
     per_replica: dict[str, int] = field(default_factory=dict)
 
 
@@ -326,13 +377,19 @@ class Router:
                     ) from exc
                 self.stats.retries += 1
                 continue
-            except BaseException:
+            except BaseException as exc:
                 self.policy.on_complete(request, None, name, self._clock())
+                refused = self._refused(name, rep, exc)
+                if refused is not None:  # the fleet's configuration: not retried
+                    self.stats.failed += 1
+                    raise refused from None
                 raise
             finally:
                 rep.num_requests -= 1
                 rep.tokens_in_flight -= size
             rep.served += 1
+            if rep.auth_refused:
+                rep.auth_refused = False
             self.stats.completed += 1
             self.stats.per_replica[name] = self.stats.per_replica.get(name, 0) + 1
             try:
@@ -391,7 +448,9 @@ class Router:
             await release(trajectory_id)
             self.stats.trajectories_released += 1
         except Exception as exc:  # an optimization: the hold expires anyway
-            log.debug("finishing %s on %s failed: %r", trajectory_id, name, exc)
+            rep = self.replicas.get(name)
+            if rep is None or self._refused(name, rep, exc) is None:
+                log.debug("finishing %s on %s failed: %r", trajectory_id, name, exc)
 
     async def _resend_whole(self, rep: _Replica, request: GenRequest,
                             full: tuple[int, ...]) -> GenResult:
@@ -490,17 +549,31 @@ class Router:
         items = self._pending.pop(name, [])
         rep = self.replicas.get(name)
         if items and rep is not None and rep.healthy:
-            await self._forward(rep, items)
+            await self._forward(rep, items, name)
 
-    async def _forward(self, rep: _Replica,
-                       items: Sequence[tuple[Sequence[int], str | None]]) -> None:
+    async def _forward(self, rep: _Replica, items: Sequence[tuple[Sequence[int], str | None]],
+                       name: str) -> None:
         try:
             await rep.backend.add_history(items)
             self.stats.history_forwarded += len(items)
         except Exception as exc:  # history is an optimization: never fail a request for it
-            log.debug("history to %s failed: %r", rep.backend.name, exc)
+            if self._refused(name, rep, exc) is None:
+                log.debug("history to %s failed: %r", rep.backend.name, exc)
 
     # ------------------------------------------------------------ health
+
+    def _refused(self, name: str, rep: _Replica, exc: BaseException
+                 ) -> ReplicaAuthRefused | None:
+        """``auth_refusal`` of ``exc`` (a call to replica ``name``), counted, and logged
+        unless the replica is already known to refuse the router's credentials; None if
+        ``exc`` is no such refusal."""
+        refused = auth_refusal(exc, rep.backend.name, name)
+        if refused is not None:
+            self.stats.auth_refusals += 1
+            if not rep.auth_refused:
+                rep.auth_refused = True
+                log.error("%s", refused)
+        return refused
 
     def _mark_down(self, name: str, exc: BaseException) -> None:
         rep = self.replicas[name]
@@ -539,7 +612,8 @@ class Router:
                 self._mark_down(name, ReplicaUnavailable(
                     f"{name}: no health or load answer within {timeout} s"))
         except Exception as exc:  # a load report is advisory
-            log.debug("load of %s failed: %r", name, exc)
+            if self._refused(name, rep, exc) is None:
+                log.debug("load of %s failed: %r", name, exc)
             if back:
                 self._rejoin(name, rep)
 
@@ -555,6 +629,6 @@ class Router:
     def fleet_load(self) -> dict[str, dict[str, object]]:
         return {name: {"healthy": r.healthy, "num_requests": r.num_requests,
                        "tokens_in_flight": r.tokens_in_flight, "served": r.served,
-                       "failures": r.failures,
+                       "failures": r.failures, "auth_refused": r.auth_refused,
                        "load": dataclasses.asdict(r.load) if r.load else None}
                 for name, r in self.replicas.items()}

@@ -7,7 +7,8 @@ body and the routing headers (``X-Request-Id``, ``X-Trajectory-Id``,
 ``X-Group-Id``, ``X-Priority``; body fields win) become ``GenRequest``s for
 ``Router.generate``, the response (the replica's shape, plus the name of the replica
 that served each choice), how failures map to statuses (a replica's refusal: 400; an
-unknown trajectory: 409 ``unknown_trajectory``; no replica up: 503; the app keeps
+unknown trajectory: 409 ``unknown_trajectory``; no replica up: 503; a replica that
+refuses the router's own credentials: 502 ``replica_auth_failed``; the app keeps
 serving), the side endpoints (``/health``, ``/v1/load``, ``/v1/models``, ``/metrics``,
 ``/v1/trajectories/finish``: a rollout driver reports an ended episode)
 and bearer-token auth (the replica's middleware).
@@ -63,7 +64,7 @@ from war.api import (
 from war.router.edge import FastRoute, Respond
 from war.router.metrics import CONTENT_TYPE, RouterMetrics
 from war.router.policies.prefix_tree import plain_token_ids
-from war.router.router import NoReplicaAvailable, Router
+from war.router.router import NoReplicaAvailable, ReplicaAuthRefused, Router
 from war.types import GenRequest, GenResult, SamplingParams, UnknownTrajectory
 
 log = logging.getLogger("war.router.server")
@@ -714,6 +715,8 @@ def create_router_app(router: Router, api_key: str | None = None,
                 raise APIError(400, str(e)) from None
             except NoReplicaAvailable as e:
                 raise APIError(503, str(e), "server_error", "no_replica_available") from None
+            except ReplicaAuthRefused as e:  # the router's key for it: not the client's fault
+                raise APIError(502, str(e), "server_error", "replica_auth_failed") from None
             except ClientDisconnected:
                 raise APIError(499, "client closed the request") from None
             except APIError:
