@@ -4,7 +4,9 @@ Knows: the commands' options, the live progress display (trajectories done,
 tokens generated, current speculation budget per replica), the summary table,
 where the run's files go, and what becomes of an earlier run's trajectories in the
 same folder (``war demo`` moves them aside and starts afresh; ``war rollout`` resumes,
-reusing them, and says so). Does not know how a step runs (``war.rollout.run``).
+reusing them, and says so, or refuses before any work when the earlier run's
+trajectories were made under other settings). Does not know how a step runs
+(``war.rollout.run``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from rich.table import Table
 
 from war import aio
 from war.cli.console import make_console
-from war.outputs import check_output_dir
 
 if TYPE_CHECKING:  # the run's modules import torch: only when a command runs
     from war.engine.async_engine import AsyncEngine
@@ -89,22 +90,33 @@ def run_rollout_command(args: argparse.Namespace) -> int:
     return _run(_config(args, base), quiet=args.quiet, fresh=False)
 
 
+# Where `war demo` moves an earlier run's files before it starts afresh.
+_PREVIOUS = {"trajectories.jsonl": "trajectories.previous.jsonl",
+             "run_settings.json": "run_settings.previous.json"}
+
+
 def _earlier_run(cfg: RunConfig, console: Console, fresh: bool) -> None:
     """Says what happens to the trajectories an earlier run left in the run's folder: a
-    demo moves them aside and starts afresh; a rollout reuses them (a restarted step
-    skips the trajectories it already wrote), and says so."""
+    demo moves them (and the settings they were made under) aside and starts afresh; a
+    rollout reuses them (a restarted step skips the trajectories it already wrote), and
+    says so, unless they were made under other settings (ValueError naming them)."""
     from war.rollout.driver import reusable
-    from war.rollout.run import trajectory_ids
+    from war.rollout.run import SETTINGS_FILE, check_run_settings, trajectory_ids
 
     path = Path(cfg.output_dir) / cfg.name / "trajectories.jsonl"
     if not path.exists() or path.stat().st_size == 0:
         return
     if fresh:
-        kept = path.with_name("trajectories.previous.jsonl")
+        kept = path.with_name(_PREVIOUS["trajectories.jsonl"])
         path.replace(kept)
+        settings = path.with_name(SETTINGS_FILE)
+        if settings.exists():  # (the settings they were made under go with them)
+            settings.replace(settings.with_name(_PREVIOUS[SETTINGS_FILE]))
         console.print(f"{path.parent}: the earlier run's trajectories are now in {kept.name}; "
                       "this run starts afresh")
         return
+    # Before saying they are reused: refused if they were made under other settings.
+    check_run_settings(cfg)
     # What the driver will reuse: this run's steps' trajectories that did not fail (the
     # file may also hold failed ones, which are redone, and other steps' or tasks').
     n = len(reusable(path, trajectory_ids(cfg)))
@@ -114,12 +126,14 @@ def _earlier_run(cfg: RunConfig, console: Console, fresh: bool) -> None:
 
 def _run(cfg: RunConfig, quiet: bool, fresh: bool) -> int:
     from war.rollout.report import plot_timeline
-    from war.rollout.run import builtin_policy
+    from war.rollout.run import builtin_policy, check_run_paths, record_run_settings
 
     console = make_console()
-    # where the run's files go is checked before any model is loaded
-    check_output_dir(Path(cfg.output_dir) / cfg.name, "run folder (output_dir/name)")
+    # Where the run's files go is checked before any model is loaded: the folder, and
+    # every file written at the end (a folder in the way would fail after all the work).
+    check_run_paths(cfg, ("report.png", *(_PREVIOUS.values() if fresh else ())))
     _earlier_run(cfg, console, fresh)
+    record_run_settings(cfg)
     model = cfg.model or str(builtin_policy())
     console.print(f"[bold]WAR rollout[/] {cfg.name}: {cfg.steps} steps x {cfg.tasks_per_step} "
                   f"tasks x {cfg.group_size} samples, {cfg.replicas} replicas, "

@@ -2,12 +2,17 @@
 
 Knows: how to draw, per replica, the sequences in flight and the speculation
 budget (draft tokens verified per decoding sequence) over the run, with the RL
-steps' boundaries, using matplotlib without a display. Does not know how the
-figures were produced.
+steps' boundaries, using matplotlib without a display, and writing the image
+atomically (a crash mid-write leaves the earlier report, never half of one). Does
+not know how the figures were produced.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -64,6 +69,33 @@ def plot_timeline(
                  transform=top.transAxes, color="0.4")
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    image = io.BytesIO()
+    try:
+        # (the format from the name, as savefig(path) would; PNG without a suffix)
+        fig.savefig(image, format=out.suffix[1:].lower() or "png", dpi=110)
+    finally:
+        plt.close(fig)
+    write_bytes_atomic(out, image.getvalue())
     return out
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Writes ``data`` to ``path`` through a temporary file in the same folder, fsynced
+    and renamed over ``path``: ``path`` holds either its old content or all of
+    ``data``, and a failed write leaves no temporary file behind."""
+    target = Path(path)
+    if target.is_symlink():  # the file it points to is written (the link stays a link)
+        target = Path(os.path.realpath(target))
+    tmp = target.with_name(f".{target.name[:32]}.{uuid.uuid4().hex}.tmp")
+    try:
+        # (created as open() would create it: the umask applies)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise

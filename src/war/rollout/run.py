@@ -3,9 +3,13 @@
 Knows: the run's configuration (model, replicas, environments, sizes; from a YAML
 or JSON file), how tasks are drawn for each step (from a fixed pool, so tasks
 recur across steps as they do over an RL dataset's epochs), how local replicas are
-built (one engine thread each), and the figures of each step: makespan,
-throughput, tokens/step, acceptance, prefix-cache hit rate, reward. Does not know
-progress bars or plots (``war.cli``, ``report.py``), nor the engine's internals.
+built (one engine thread each), the figures of each step: makespan,
+throughput, tokens/step, acceptance, prefix-cache hit rate, reward, and the run
+folder's files: which settings determine its trajectories (recorded in
+``run_settings.json`` when a run starts, so that a resume under other settings is
+refused instead of mixing data), and checking up front that every file the run
+writes at its end can be written. Does not know progress bars or plots
+(``war.cli``, ``report.py``), nor the engine's internals.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from war.engine.async_engine import AsyncEngine
 from war.engine.config import EngineConfig
 from war.engine.engine import Engine
 from war.engine.stats import StepRecord
+from war.outputs import check_output_dir, check_output_file, write_json
 from war.rollout.agent import AgentConfig, PolicyIO
 from war.rollout.driver import RolloutConfig, run_step_async, trajectory_id
 from war.rollout.envs import Task, names, sample_tasks
@@ -222,6 +227,169 @@ def trajectory_ids(cfg: RunConfig) -> set[str]:
     return out
 
 
+# ---------------------------------------------------------------- the run's folder
+
+TRAJECTORIES_FILE = "trajectories.jsonl"
+PARQUET_FILE = "trajectories.parquet"
+SUMMARY_FILE = "summary.json"
+SETTINGS_FILE = "run_settings.json"
+RUN_FILES = (TRAJECTORIES_FILE, PARQUET_FILE, SUMMARY_FILE, SETTINGS_FILE)
+"""The files ``run_rollout`` writes in the run's folder (``war rollout`` adds
+``report.png``)."""
+
+SETTINGS_FORMAT = 1
+
+
+def run_folder(cfg: RunConfig) -> Path:
+    """The run's folder: ``output_dir/name``."""
+    return Path(cfg.output_dir) / cfg.name
+
+
+def trajectory_settings(cfg: RunConfig) -> dict[str, Any]:
+    """The settings that determine what the run's trajectories hold, as JSON values:
+    the policy (``model``, its folder made absolute; ``null`` for the built-in one, and
+    the weights' ``engine.dtype``), the tasks (``envs``, ``task_pool``,
+    ``tasks_per_step``, ``seed``), the groups (``group_size``), how each episode is
+    sampled and cut (``agent``: turns, token limits, temperature, top_p, top_k) and the
+    context cap (``engine.max_model_len``).
+
+    Not in it, since they change how fast trajectories are made but not what they
+    hold: ``steps`` (a resumed run may do more or fewer), ``replicas``,
+    ``torch_threads``, the engine's memory, batching and speculation settings
+    (verification is lossless), ``agent.send_only_new_tokens``, ``name`` and
+    ``output_dir``; nor the command's progress bars."""
+    agent = cfg.agent
+    return {
+        "format": SETTINGS_FORMAT,
+        "model": None if cfg.model is None else str(Path(cfg.model).resolve()),
+        "envs": list(cfg.envs),
+        "task_pool": cfg.task_pool or 2 * cfg.tasks_per_step,
+        "tasks_per_step": cfg.tasks_per_step,
+        "group_size": cfg.group_size,
+        "seed": cfg.seed,
+        "agent": {
+            "max_turns": agent.max_turns,
+            "max_tokens_per_turn": agent.max_tokens_per_turn,
+            "max_total_tokens": agent.max_total_tokens,
+            "temperature": float(agent.temperature),
+            "top_p": float(agent.top_p),
+            "top_k": agent.top_k,
+        },
+        "engine": {"dtype": cfg.engine.dtype, "max_model_len": cfg.engine.max_model_len},
+    }
+
+
+def settings_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """``"setting: old -> new"`` for each setting (dotted: ``agent.temperature``) whose
+    value differs between two ``trajectory_settings``; one missing from either side
+    shows as ``(not recorded)``."""
+    a, b = _flatten(old), _flatten(new)
+    missing = "(not recorded)"
+    out = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key, missing), b.get(key, missing)
+        if va != vb:  # (1 and 1.0 are the same temperature)
+            out.append(f"{key}: {_shown(va, missing)} -> {_shown(vb, missing)}")
+    return out
+
+
+def _shown(value: Any, missing: str) -> str:
+    return missing if value is missing else json.dumps(value)
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def read_run_settings(cfg: RunConfig) -> dict[str, Any] | None:
+    """The settings recorded in the run's folder, or ``None`` where there are none (a
+    folder of a run older than the file). Raises ValueError naming the file when it
+    is not a JSON object."""
+    path = run_folder(cfg) / SETTINGS_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the recorded run settings: {exc}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{path}: the recorded run settings are not JSON ({exc}); "
+                         "delete it only if its folder's trajectories are of this run's "
+                         "settings") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the recorded run settings are not a JSON object")
+    return data
+
+
+def _has_trajectories(cfg: RunConfig) -> bool:
+    path = run_folder(cfg) / TRAJECTORIES_FILE
+    try:
+        return path.is_file() and path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def check_run_settings(cfg: RunConfig) -> None:
+    """Raises ValueError, naming each setting that differs (old -> new), when the run's
+    folder holds trajectories written under other ``trajectory_settings``: resuming
+    would reuse them, mixing two runs' data. A folder without trajectories, or
+    without recorded settings (a run older than ``run_settings.json``), passes."""
+    if not _has_trajectories(cfg):
+        return
+    old = read_run_settings(cfg)
+    if old is None:
+        return
+    changes = settings_changes(old, trajectory_settings(cfg))
+    if changes:
+        folder = run_folder(cfg)
+        raise ValueError(
+            f"{folder} holds trajectories of a run with other settings, which resuming "
+            f"would mix with this run's: {'; '.join(changes)} "
+            f"(recorded in {folder / SETTINGS_FILE}); use a new run folder (another "
+            f"name or output_dir), or delete {folder / TRAJECTORIES_FILE} to start afresh")
+
+
+def record_run_settings(cfg: RunConfig) -> None:
+    """``check_run_settings``, then records the run's ``trajectory_settings`` in
+    ``run_settings.json`` (atomically; not rewritten when it already says so)."""
+    check_run_settings(cfg)
+    settings = trajectory_settings(cfg)
+    path = run_folder(cfg) / SETTINGS_FILE
+    try:
+        same = read_run_settings(cfg) == settings
+    except ValueError:  # (unreadable, and no trajectories rely on it: replaced)
+        same = False
+    if not same:
+        write_json(path, settings, indent=2)
+
+
+def check_run_paths(cfg: RunConfig, extra: Sequence[str] = ()) -> Path:
+    """Checks, before any work, that the run's folder takes files and that nothing
+    (a folder, a file that cannot be replaced) sits where one of the files the run
+    writes (``RUN_FILES`` and ``extra``) goes; creates the folder and returns it.
+    Raises ValueError naming the path otherwise."""
+    folder = check_output_dir(run_folder(cfg), "run folder (output_dir/name)")
+    for name in (*RUN_FILES, *extra):
+        path = folder / name
+        try:
+            in_the_way = path.is_dir()
+        except OSError:
+            in_the_way = False  # (check_output_file says why)
+        if in_the_way:
+            raise ValueError(f"{path} is a folder where the run writes its {name}: move it "
+                             "away or use another run folder (name or output_dir)")
+        check_output_file(path, "the run's output file")
+    return folder
+
+
 @dataclass(frozen=True)
 class StepSummary:
     rl_step: int
@@ -305,10 +473,12 @@ async def run_rollout(
 ) -> RunResult:
     """Runs ``cfg.steps`` synchronous steps; writes trajectories (JSONL as they
     finish, Parquet at the end) and ``summary.json`` under ``output_dir/name``."""
+    # Before any model is loaded or trajectory generated: every file the run writes
+    # can be written, and the folder's trajectories (if any) are of these settings.
+    run_dir = check_run_paths(cfg)
+    record_run_settings(cfg)
     model_dir = Path(cfg.model) if cfg.model else builtin_policy()
     io = PolicyIO.from_folder(model_dir)
-    run_dir = Path(cfg.output_dir) / cfg.name
-    run_dir.mkdir(parents=True, exist_ok=True)
     own = replicas is None
     reps = make_replicas(cfg, model_dir) if replicas is None else dict(replicas)
     summaries: list[StepSummary] = []
@@ -330,7 +500,7 @@ async def run_rollout(
             fresh: set[str] = set()  # generated now (the others resume an earlier run)
             trajs = await run_step_async(
                 tasks, reps, io, _step_config(cfg, step),
-                output=run_dir / "trajectories.jsonl", on_done=_noting(fresh, on_done))
+                output=run_dir / TRAJECTORIES_FILE, on_done=_noting(fresh, on_done))
             bounds.append((t0, time.perf_counter()))
             summaries.append(summarize(
                 step, trajs, {t.trajectory_id for t in trajs} - fresh))
@@ -340,11 +510,12 @@ async def run_rollout(
         if own:
             for r in reps.values():
                 await r.close()
-    write_parquet(every, run_dir / "trajectories.parquet")
+    write_parquet(every, run_dir / PARQUET_FILE)
     result = RunResult(cfg, run_dir, summaries, timelines, bounds, every)
-    (run_dir / "summary.json").write_text(json.dumps(
-        {"config": _jsonable(dataclasses.asdict(cfg)),
-         "steps": [dataclasses.asdict(s) for s in summaries]}, indent=2))
+    # (atomically: a crash mid-write leaves the earlier summary, never half of one)
+    write_json(run_dir / SUMMARY_FILE,
+               {"config": _jsonable(dataclasses.asdict(cfg)),
+                "steps": [dataclasses.asdict(s) for s in summaries]}, indent=2)
     return result
 
 
