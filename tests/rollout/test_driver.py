@@ -653,3 +653,144 @@ def test_a_replica_at_its_limit_does_not_hold_the_step_limit() -> None:
     assert {t.replica_ids[0] for t in out} == {"a", "b"}
     first_done = events.index("done")
     assert {"a", "b"} <= set(events[:first_done]), events  # both replicas busy at once
+
+
+class BlockingResetEnv:
+    """An environment whose ``reset`` blocks until ``release`` is set; it records each
+    call's start and end and every call that began while another one was running."""
+
+    name = "blocking_reset"
+
+    def __init__(self) -> None:
+        import threading
+
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.calls: list[str] = []
+        self.overlaps: list[str] = []
+        self._active: list[str] = []
+        self._lock = threading.Lock()
+
+    def _enter(self, what: str) -> None:
+        with self._lock:
+            if self._active:
+                self.overlaps.append(f"{what} during {self._active}")
+            self._active.append(what)
+            self.calls.append(f"{what} start")
+
+    def _leave(self, what: str) -> None:
+        with self._lock:
+            self._active.remove(what)
+            self.calls.append(f"{what} end")
+
+    def system_prompt(self) -> str:
+        return "Answer."
+
+    def tools(self) -> list[Any]:
+        return []
+
+    def reset(self, task: Any) -> str:
+        self._enter("reset")
+        try:
+            self.entered.set()
+            assert self.release.wait(10), "the test never released reset"
+            return str(task.prompt)
+        finally:
+            self._leave("reset")
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        return "unused"
+
+    def score(self, final_answer: str) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        self._enter("close")
+        self._leave("close")
+
+
+def _cancel_during_reset(env: BlockingResetEnv, release_after_s: float | None) -> None:
+    """Runs a step of one ``blocking_reset`` task and cancels it while its reset blocks;
+    the reset is released ``release_after_s`` later (``None``: once the step is
+    cancelled and the close has given up waiting)."""
+    import threading
+
+    from war.rollout.driver import run_step_async
+    from war.rollout.envs import Task, register, unregister
+
+    def tasks_of(n: int, seed: int) -> list[Task]:
+        return [Task(f"br-{seed}-{i}", "blocking_reset", "What is 1?", "1") for i in range(n)]
+
+    register("blocking_reset", lambda: env, tasks_of)
+
+    async def main() -> None:
+        step = asyncio.ensure_future(run_step_async(
+            tasks_of(1, 0), [ScriptedReplica()], IO, RolloutConfig(group_size=1)))
+        assert await asyncio.to_thread(env.entered.wait, 10)
+        if release_after_s is not None:
+            threading.Timer(release_after_s, env.release.set).start()
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+
+    try:
+        asyncio.run(main())  # (returns once the worker threads are done)
+    finally:
+        env.release.set()
+        unregister("blocking_reset")
+
+
+def test_a_step_cancelled_during_reset_closes_the_env_after_the_reset() -> None:
+    """Cancelled while an environment's reset runs in its worker thread, the step
+    closes that environment only once the reset has returned, never during it."""
+    env = BlockingResetEnv()
+    _cancel_during_reset(env, release_after_s=0.3)
+    assert env.overlaps == []
+    assert env.calls == ["reset start", "reset end", "close start", "close end"]
+
+
+def test_a_reset_that_outlasts_the_close_wait_is_closed_when_it_returns(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Past ``ENV_CLOSE_WAIT_S`` the close gives up waiting with a warning naming the
+    call, and the reset's own thread closes the environment when it returns."""
+    import logging
+    import threading
+    import time
+
+    from war.rollout import driver
+
+    monkeypatch.setattr(driver, "ENV_CLOSE_WAIT_S", 0.05)
+    env = BlockingResetEnv()
+
+    def release_once_warned() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "still running" not in caplog.text:
+            time.sleep(0.01)
+        assert env.calls == ["reset start"]  # not closed while the reset runs
+        env.release.set()
+
+    caplog.set_level(logging.WARNING, logger="war.rollout.driver")
+    watcher = threading.Thread(target=release_once_warned)
+    watcher.start()
+    _cancel_during_reset(env, release_after_s=None)
+    watcher.join()
+    assert "blocking_reset of step0/br-0-0/0: its reset call is still running" in caplog.text
+    assert "the reset call returned; closing it now" in caplog.text
+    assert env.overlaps == []
+    assert env.calls == ["reset start", "reset end", "close start", "close end"]
+
+
+def test_serial_env_closes_once_and_refuses_calls_after_close() -> None:
+    from war.rollout.driver import SerialEnv
+
+    inner = BlockingResetEnv()
+    inner.release.set()
+    env = SerialEnv(inner, "test env", wait_s=1.0)
+    task = SimpleNamespace(prompt="q")
+    assert env.reset(task) == "q"  # type: ignore[arg-type]
+    assert not env.closed
+    env.close()
+    env.close()
+    assert env.closed and inner.calls == ["reset start", "reset end", "close start", "close end"]
+    with pytest.raises(RuntimeError, match="test env is closed"):
+        env.reset(task)  # type: ignore[arg-type]

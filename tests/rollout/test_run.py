@@ -52,6 +52,57 @@ def test_config_files_and_errors(tmp_path: Path) -> None:
     assert load_run_config(as_json).steps == 3
 
 
+def test_config_files_of_other_suffixes(tmp_path: Path) -> None:
+    """A file named neither .yaml/.yml nor .json is read as JSON when it is JSON (its
+    meaning as JSON: PyYAML would read 1e5 as a string) and as YAML otherwise."""
+    as_json = tmp_path / "run.conf"
+    as_json.write_text('{"steps": 3,\t"name": "j", "agent": {"temperature": 1e-1}}')
+    cfg = load_run_config(as_json)
+    assert (cfg.steps, cfg.name, cfg.agent.temperature) == (3, "j", 0.1)
+    as_yaml = tmp_path / "run.txt"
+    as_yaml.write_text("name: y\nsteps: 2\nenvs: [calculator]\nagent: {max_turns: 3}\n")
+    cfg = load_run_config(as_yaml)
+    assert (cfg.name, cfg.steps, cfg.envs, cfg.agent.max_turns) == ("y", 2, ("calculator",), 3)
+    no_suffix = tmp_path / "run"
+    no_suffix.write_text("steps: 5\n")
+    assert load_run_config(no_suffix).steps == 5
+    neither = tmp_path / "bad.conf"
+    neither.write_text("steps: [1\n")
+    with pytest.raises(ValueError, match=r"bad\.conf: neither valid JSON .* nor valid YAML"):
+        load_run_config(neither)
+    # .json is JSON only, and the error says why a YAML text failed
+    yaml_in_json = tmp_path / "run.json"
+    yaml_in_json.write_text("steps: 2\n")
+    with pytest.raises(ValueError, match=r"run\.json: not valid JSON \(read as JSON for its "
+                       r"\.json suffix; a YAML file is named \.yaml or \.yml\)"):
+        load_run_config(yaml_in_json)
+
+
+def test_replicas_out_of_range_are_refused_while_parsing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--replicas`` outside 1..256 is argparse's error naming the option and the range
+    (exit status 2, as the commands' other argument errors), before any work."""
+    config = tmp_path / "run.yaml"
+    config.write_text("steps: 1\n")
+    for command in (["demo"], ["rollout", "--config", str(config)]):
+        for bad in ("0", "-3", "257", str(10**6), "two"):
+            with pytest.raises(SystemExit) as exit_info:
+                main([*command, "--replicas", bad, "--output-dir", str(tmp_path / "runs")])
+            assert exit_info.value.code == 2
+            err = capsys.readouterr().err
+            assert err.splitlines()[-1] == (f"war {command[0]}: error: argument --replicas: "
+                                            f"must be an int from 1 to 256, got {bad!r}"), err
+    assert not (tmp_path / "runs").exists()
+    # in a config file: one `war: error:` line, exit status 1, as its other settings
+    config.write_text("replicas: 100000\n")
+    assert main(["rollout", "--config", str(config), "--output-dir",
+                 str(tmp_path / "runs")]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"war: error: {config}: replicas must be an int from 1 to 256, "
+                   "got 100000\n")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_tasks_recur_across_steps() -> None:
     cfg = RunConfig(tasks_per_step=6, task_pool=9, envs=("calculator", "files"))
     pool = task_pool(cfg)
@@ -161,7 +212,11 @@ def test_war_demo_starts_afresh_and_keeps_the_earlier_run(
     ({"task_pool": 33.5}, "task_pool must be an int or null, got 33.5"),
     ({"task_pool": "big"}, "task_pool must be an int or null, got 'big'"),
     ({"task_pool": True}, "task_pool must be an int"),
-    ({"torch_threads": 1.5}, "torch_threads must be an int >= 1"),
+    ({"torch_threads": 1.5}, "torch_threads must be an int from 1 to 1024 or null"),
+    ({"torch_threads": 0}, "torch_threads must be an int from 1 to 1024 or null, got 0"),
+    ({"torch_threads": 1025}, "torch_threads must be an int from 1 to 1024"),
+    ({"replicas": 0}, "replicas must be an int >= 1, got 0"),
+    ({"replicas": 10**6}, "replicas must be an int from 1 to 256, got 1000000"),
     ({"agent": {"temperature": "hot"}}, "agent: temperature must be a number, got 'hot'"),
     ({"agent": {"top_p": "0.5"}}, "agent: top_p must be a number"),
     ({"agent": {"send_only_new_tokens": "no"}}, "agent: send_only_new_tokens must be true"),

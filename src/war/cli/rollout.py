@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -23,6 +24,7 @@ from rich.table import Table
 
 from war import aio
 from war.cli.console import make_console
+from war.rollout.limits import MAX_REPLICAS
 
 if TYPE_CHECKING:  # the run's modules import torch: only when a command runs
     from war.engine.async_engine import AsyncEngine
@@ -50,11 +52,27 @@ def add_rollout_command(commands: Subparsers) -> None:
     p.set_defaults(run=run_rollout_command)
 
 
+def int_in_range(low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type``: an int from ``low`` to ``high``; anything else is argparse's
+    one-line error naming the option (``argument --replicas: ...``), exit status 2."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an int from {low} to {high}, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="RL steps")
     p.add_argument("--tasks", type=int, dest="tasks_per_step", help="tasks per step")
     p.add_argument("--group-size", type=int, help="samples per task")
-    p.add_argument("--replicas", type=int, help="local replicas")
+    p.add_argument("--replicas", type=int_in_range(1, MAX_REPLICAS), metavar="N",
+                   help=f"local replicas, one engine each (1 to {MAX_REPLICAS})")
     p.add_argument("--spec-mode", choices=["auto", "always", "off"], help="speculation mode")
     p.add_argument("--output-dir", help="where runs/<name>/ goes (default: runs)")
     p.add_argument("--name", help="the run's name (its folder under the output dir)")

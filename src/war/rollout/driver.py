@@ -11,6 +11,12 @@ tokens are rendered (``agent.py``).
 A trajectory that fails (a replica error, an environment that cannot reset) is
 returned and written with ``finish_reason="error"`` and its message; the other
 trajectories of the step go on. On resume such trajectories are run again.
+
+An environment's calls never overlap its ``close`` (``SerialEnv``): when a step is
+cancelled (Ctrl-C, a timeout, a trajectory abandoned) while a ``reset`` or tool call
+runs in its worker thread (threads cannot be stopped), closing waits for that call
+to return, up to ``ENV_CLOSE_WAIT_S``; past that it logs a warning and the call's
+own thread closes the environment when the call returns.
 """
 
 from __future__ import annotations
@@ -19,15 +25,111 @@ import asyncio
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from war.rollout.agent import AgentConfig, PolicyIO, Replica, run_episode
-from war.rollout.envs import Task, make
+from war.rollout.envs import Environment, Task, ToolSpec, make
 from war.rollout.trajectory import JsonlWriter, Trajectory, read_jsonl
 
 log = logging.getLogger(__name__)
+
+# How long closing an environment waits for a call still running in its worker thread
+# (a cancelled episode's reset or tool call) before it leaves the close to that call.
+ENV_CLOSE_WAIT_S = 30.0
+
+_T = TypeVar("_T")
+
+
+class SerialEnv:
+    """An ``Environment`` whose calls run one at a time and never overlap ``close``.
+
+    The agent loop runs ``reset`` and tools in worker threads; when its episode is
+    cancelled the thread goes on. ``close`` then waits for that call (up to
+    ``wait_s``, default ``ENV_CLOSE_WAIT_S``); if it is still running past that, a
+    warning names it and the close is left to the call's thread, which closes the
+    environment as soon as the call returns. Once ``close`` is called no new call
+    starts (``RuntimeError``); the environment is closed exactly once.
+    """
+
+    def __init__(self, env: Environment, label: str = "", wait_s: float | None = None) -> None:
+        self.env = env
+        self.name = env.name
+        self._label = label or env.name
+        self._wait_s = wait_s
+        self._cond = threading.Condition()
+        self._busy: str | None = None  # the call running now
+        self._closing = False  # close was called: no new call starts
+        self._deferred = False  # the running call's thread is to close the env
+        self._closed = False
+
+    def _call(self, what: str, fn: Callable[..., _T], *args: Any) -> _T:
+        with self._cond:
+            # (one episode's calls come one after another; this only waits behind a
+            # call whose episode was cancelled)
+            self._cond.wait_for(lambda: self._busy is None or self._closing)
+            if self._closing:
+                raise RuntimeError(f"environment {self._label} is closed")
+            self._busy = what
+        try:
+            return fn(*args)
+        finally:
+            with self._cond:
+                self._busy = None
+                close_now = self._deferred
+                if close_now:
+                    self._deferred, self._closed = False, True
+                self._cond.notify_all()
+            if close_now:
+                log.warning("environment %s: the %s call returned; closing it now",
+                            self._label, what)
+                try:
+                    self.env.close()
+                except Exception as exc:
+                    log.warning("closing environment %s failed: %r", self._label, exc)
+
+    def system_prompt(self) -> str:
+        return self._call("system_prompt", self.env.system_prompt)
+
+    def tools(self) -> list[ToolSpec]:
+        return self._call("tools", self.env.tools)
+
+    def reset(self, task: Task) -> str:
+        return self._call("reset", self.env.reset, task)
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        return self._call(f"tool {name}", self.env.call_tool, name, arguments)
+
+    def score(self, final_answer: str) -> float:
+        return self._call("score", self.env.score, final_answer)
+
+    def close(self) -> None:
+        """Closes the environment once no call runs (blocking: call it in a worker
+        thread from async code); returns without closing, after a warning, when a call
+        still runs after the wait; that call's thread closes it when it returns."""
+        wait_s = ENV_CLOSE_WAIT_S if self._wait_s is None else self._wait_s
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify_all()  # (a call waiting to start gives up)
+            if not self._cond.wait_for(lambda: self._busy is None, wait_s):
+                self._deferred = True
+                log.warning("environment %s: its %s call is still running %.0f s after the "
+                            "episode ended; it is closed when that call returns",
+                            self._label, self._busy, wait_s)
+                return
+            self._closed = True
+        self.env.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the environment has been closed."""
+        with self._cond:
+            return self._closed
 
 
 @dataclass(frozen=True)
@@ -144,7 +246,7 @@ async def run_step_async(
 
     async def episode(task: Task, sample: int, traj_id: str, name: str) -> Trajectory:
         try:
-            env = make(task.env)
+            env = SerialEnv(make(task.env), f"{task.env} of {traj_id}")
         except Exception as exc:  # a broken environment fails this trajectory only
             # (and is written and reported like any other failed trajectory)
             return _failed(task, sample, traj_id, cfg, f"cannot make env: {exc!r}")
@@ -159,6 +261,8 @@ async def run_step_async(
             return _failed(task, sample, traj_id, cfg, repr(exc))
         finally:
             try:
+                # (waits for a reset or tool call still running in its thread: see
+                # SerialEnv; cancelled again here, the close goes on in its thread)
                 await asyncio.to_thread(env.close)
             except Exception as exc:  # the episode is over: it keeps its outcome
                 log.warning("closing env %s of %s failed: %r", task.env, traj_id, exc)

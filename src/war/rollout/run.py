@@ -35,6 +35,7 @@ from war.outputs import check_output_dir, check_output_file, write_json
 from war.rollout.agent import AgentConfig, PolicyIO
 from war.rollout.driver import RolloutConfig, run_step_async, trajectory_id
 from war.rollout.envs import Task, names, sample_tasks
+from war.rollout.limits import MAX_REPLICAS, MAX_TORCH_THREADS
 from war.rollout.trajectory import Trajectory, write_parquet
 from war.spec.config import SpecConfig
 
@@ -50,14 +51,15 @@ class RunConfig:
 
     * ``model``: a Hugging Face folder (weights, config, tokenizer); ``None``: the
       built-in policy shipped with WAR.
-    * ``replicas``: local replicas (one engine each, in this process).
+    * ``replicas``: local replicas (one engine each, in this process), at most
+      ``MAX_REPLICAS`` (256).
     * ``envs``: registered environments the tasks come from (round robin), each
       named once.
     * ``tasks_per_step``, ``group_size``, ``steps``: the RL steps' shape.
     * ``task_pool``: distinct tasks the steps draw from (default: twice
       ``tasks_per_step``), so that tasks recur across steps.
-    * ``torch_threads``: CPU threads of torch (``None``: the machine's cores
-      divided among the replicas).
+    * ``torch_threads``: CPU threads of torch, at most ``MAX_TORCH_THREADS`` (1024)
+      (``None``: the machine's cores divided among the replicas).
     """
 
     name: str = "rollout"
@@ -118,10 +120,14 @@ class RunConfig:
             if self.task_pool < self.tasks_per_step:
                 raise ValueError(f"task_pool ({self.task_pool}) < tasks_per_step "
                                  f"({self.tasks_per_step})")
+        if self.replicas > MAX_REPLICAS:  # (each one builds an engine and its KV cache)
+            raise ValueError(f"replicas must be an int from 1 to {MAX_REPLICAS}, "
+                             f"got {self.replicas!r}")
         if self.torch_threads is not None and (not _is_int(self.torch_threads)
-                                               or self.torch_threads < 1):
-            raise ValueError(f"torch_threads must be an int >= 1 or null, "
-                             f"got {self.torch_threads!r}")
+                                               or not 1 <= self.torch_threads
+                                               <= MAX_TORCH_THREADS):
+            raise ValueError(f"torch_threads must be an int from 1 to {MAX_TORCH_THREADS} "
+                             f"or null, got {self.torch_threads!r}")
         if not isinstance(self.agent, AgentConfig):
             raise ValueError(f"agent must be an AgentConfig, got {self.agent!r}")
         if not isinstance(self.engine, EngineConfig):
@@ -137,17 +143,39 @@ def load_run_config(path: str | Path, **overrides: Any) -> RunConfig:
     ``agent`` and ``engine`` (with ``engine.spec``) are nested mappings. Unknown
     keys raise ValueError naming them."""
     text = Path(path).read_text()
-    is_yaml = Path(path).suffix.lower() in (".yaml", ".yml")  # (config.YAML is YAML too)
-    try:
-        raw = yaml.safe_load(text) if is_yaml else json.loads(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not valid YAML/JSON: {exc}") from None
+    raw = _parse_config_text(text, path)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: the top level must be a mapping")
     raw.update({k: v for k, v in overrides.items() if v is not None})
     return run_config_from_dict(raw, str(path))
+
+
+def _parse_config_text(text: str, path: str | Path) -> Any:
+    """A config file's text parsed by its suffix: ``.yaml``/``.yml`` (any case) as YAML,
+    ``.json`` as JSON, any other as JSON when it is valid JSON and as YAML otherwise
+    (JSON first: PyYAML reads YAML 1.1, where JSON's ``1e5`` is a string and a tab
+    between tokens an error). ValueError naming the file and how it was read."""
+    suffix = Path(path).suffix.lower()
+    if suffix in (".yaml", ".yml"):  # (config.YAML is YAML too)
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        if suffix == ".json":
+            raise ValueError(f"{path}: not valid JSON (read as JSON for its .json suffix; "
+                             f"a YAML file is named .yaml or .yml): {exc}") from None
+        json_error = exc
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: neither valid JSON ({json_error}) nor valid YAML ({exc}); "
+                         "name it .json or .yaml to be told only that format's error"
+                         ) from None
 
 
 def _build(cls: Any, raw: Any, where: str) -> Any:
