@@ -322,10 +322,14 @@ class Engine:
         seq = Sequence(request, sid, self._arrivals,
                        make_generator(sp.seed, self._generator), self._clock())
         self._seqs[request.request_id] = seq
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, seq.arrival_s)
 
     def abort(self, request_id: str) -> GenResult | None:
-        """Stops a request; returns its partial result (None if unknown)."""
+        """Stops a request; returns its partial result (None if unknown). Its
+        trajectory's held context is let go of, whether the request was running (it
+        had taken the hold over) or still queued (the hold it would have taken over
+        ends, unless another turn of the trajectory is queued); the blocks stay in the
+        prefix cache, and the trajectory's next turn sends its whole context."""
         seq = self._seqs.get(request_id)
         if seq is None:
             return None
@@ -640,6 +644,7 @@ class Engine:
         """Expensive consistency checks (for tests)."""
         self.blocks.check_integrity()
         self.speculator.check_integrity()
+        self.scheduler.check_integrity()
         for seq in self.scheduler.running:
             assert seq.status is SeqStatus.RUNNING, f"request {seq.request_id} not running"
             assert len(seq.block_table) * self.kv.block_size >= seq.num_computed, (

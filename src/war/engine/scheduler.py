@@ -18,8 +18,15 @@ comes back after a tool call) for up to ``kv_hold_s`` seconds, so that other
 requests cannot evict them meanwhile. The next turn takes them over; a waiting
 turn whose context is held goes ahead of a head of the queue that does not fit.
 A hold ends when taken over, when it expires, when the trajectory is finished
-(``release_hold``), or when a running sequence needs its blocks (holds give
-way, soonest expiring first, before anyone is preempted).
+(``release_hold``), when its queued next turn is aborted (as aborting a running
+turn lets go of the context it took over), or when a running sequence needs its
+blocks (holds give way, soonest expiring first, before anyone is preempted).
+A hold does not expire while a turn of its trajectory is queued: its wait (the
+tool call) is over, and expiring would hand the context to whatever request is
+admitted first (a cold one at the head of the queue evicted it, and the turn
+then recomputed its whole context). Should every hold's turn be queued with
+none of them fitting beside the others' contexts, no hold could expire or be
+taken over: the one that expires first gives way.
 Waiting requests never break a hold, whatever their priority: when held
 contexts leave too little room for anything waiting, nothing runs until one is
 taken over or expires (``hold_expiry``), as recomputing a long context costs
@@ -69,6 +76,7 @@ class Scheduler:
         self.kv_hold_s = kv_hold_s if blocks.enable_prefix_cache else 0.0
         self.admit_whole_prompt = admit_whole_prompt
         self._waiting: list[tuple[tuple[float, int], Sequence]] = []
+        self._waiting_tids: dict[str, int] = {}  # trajectory id -> its queued sequences
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # trajectory id -> (blocks held for its next turn, expiry time)
@@ -80,9 +88,29 @@ class Scheduler:
 
     # ------------------------------------------------------------ queue
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, now: float | None = None) -> None:
+        """Queues a sequence. ``now`` (a new request's arrival): a hold of its
+        trajectory that has expired by then ends first; a queued turn keeps only a
+        hold it arrived in time for."""
         seq.status = SeqStatus.WAITING
         heapq.heappush(self._waiting, (seq.sort_key(), seq))
+        tid = seq.request.trajectory_id
+        if tid is not None:
+            hold = self._holds.get(tid)
+            if now is not None and hold is not None and hold[1] <= now \
+                    and tid not in self._waiting_tids:
+                self._release_hold(tid)
+            self._waiting_tids[tid] = self._waiting_tids.get(tid, 0) + 1
+
+    def _dequeued(self, seq: Sequence) -> None:
+        """Bookkeeping of a sequence taken off the queue."""
+        tid = seq.request.trajectory_id
+        if tid is not None:
+            left = self._waiting_tids[tid] - 1
+            if left:
+                self._waiting_tids[tid] = left
+            else:
+                del self._waiting_tids[tid]
 
     @property
     def num_waiting(self) -> int:
@@ -96,7 +124,10 @@ class Scheduler:
         return bool(self._waiting or self.running)
 
     def remove_waiting(self, seq: Sequence) -> None:
-        self._waiting = [(k, s) for k, s in self._waiting if s is not seq]
+        kept = [(k, s) for k, s in self._waiting if s is not seq]
+        if len(kept) < len(self._waiting):
+            self._dequeued(seq)
+        self._waiting = kept
         heapq.heapify(self._waiting)
 
     # ------------------------------------------------------------ planning
@@ -123,11 +154,24 @@ class Scheduler:
             else:
                 out.prefills.append((seq, n))
         # Then admit waiting sequences while the budget and the blocks allow.
+        budget = self._admit_waiting(budget, scheduled, out)
+        while out.is_empty and self._waiting and self._holds and self.hold_expiry is None:
+            # Nothing runs and every hold's turn is queued (so none expires), none of
+            # them fitting beside the other held contexts: one gives way.
+            self.break_hold()
+            budget = self._admit_waiting(budget, scheduled, out)
+        self.blocked = out.is_empty and bool(self._waiting) and bool(self._holds)
+        return out
+
+    def _admit_waiting(self, budget: int, scheduled: set[int], out: SchedulerOutput) -> int:
+        """Admits waiting sequences (into ``out``) while the budget, ``max_num_seqs`` and
+        the blocks allow; returns the budget left."""
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][1]
             n = self._admit(seq, budget)
             if n:
                 heapq.heappop(self._waiting)
+                self._dequeued(seq)
             else:
                 got = self._admit_held(budget) if self._holds else None
                 if got is None:
@@ -137,8 +181,7 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= n
             out.prefills.append((seq, n))
-        self.blocked = out.is_empty and bool(self._waiting) and bool(self._holds)
-        return out
+        return budget
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Gives a waiting sequence its cached prefix and blocks for its first
@@ -185,6 +228,7 @@ class Scheduler:
             if n:
                 self._waiting.remove((key, seq))
                 heapq.heapify(self._waiting)
+                self._dequeued(seq)
                 return seq, n
         return None
 
@@ -277,7 +321,14 @@ class Scheduler:
             self.blocks.release(seq.block_table[kept:])
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
+            # Aborted in the queue: had it been admitted, it would have taken its
+            # trajectory's held context over, and an abort then releases it. So the
+            # hold ends now rather than at its expiry (its blocks stay in the prefix
+            # cache, unreferenced), unless another turn of the trajectory is queued.
             self.remove_waiting(seq)
+            tid = seq.request.trajectory_id
+            if tid is not None and tid in self._holds and tid not in self._waiting_tids:
+                self._release_hold(tid)
         seq.block_table = []
         seq.status = SeqStatus.FINISHED
 
@@ -300,12 +351,18 @@ class Scheduler:
 
     @property
     def hold_expiry(self) -> float | None:
-        """When the first hold expires (None: no hold)."""
-        return min((h[1] for h in self._holds.values()), default=None)
+        """When the first hold expires (None: no hold that can expire; a hold whose
+        trajectory has a turn queued does not)."""
+        queued = self._waiting_tids
+        return min((until for tid, (_, until) in self._holds.items() if tid not in queued),
+                   default=None)
 
     def expire_holds(self, now: float) -> None:
+        """Releases the holds whose time is up, except those whose trajectory has a
+        turn queued (it takes the context over once it fits)."""
+        queued = self._waiting_tids
         for tid, (_, until) in list(self._holds.items()):
-            if until <= now:
+            if until <= now and tid not in queued:
                 self._release_hold(tid)
 
     def release_hold(self, trajectory_id: str) -> bool:
@@ -324,6 +381,17 @@ class Scheduler:
         self._release_hold(min(holds, key=lambda t: holds[t][1]))
         self.num_holds_broken += 1
         return True
+
+    def check_integrity(self) -> None:
+        """Recounts the queue's trajectories (for tests)."""
+        counts: dict[str, int] = {}
+        for _, seq in self._waiting:
+            assert seq.status is SeqStatus.WAITING, f"queued request {seq.request_id} not waiting"
+            tid = seq.request.trajectory_id
+            if tid is not None:
+                counts[tid] = counts.get(tid, 0) + 1
+        assert counts == self._waiting_tids, (
+            f"queued trajectories {self._waiting_tids} != recount {counts}")
 
     def _release_hold(self, tid: str) -> None:
         blocks, _ = self._holds.pop(tid)

@@ -1,0 +1,155 @@
+"""KV holds end to end: an engine with ``kv_hold_s`` behind the replica's HTTP app,
+served by uvicorn on loopback, sent multi-turn trajectories as the router and the
+rollout driver send them (a trajectory id; the whole context, or only the new tokens
+with ``continues``). The continuing turns report their held context as cached."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import uvicorn
+from engine_helpers import tiny_model
+
+from war.engine.async_engine import AsyncEngine
+from war.engine.config import EngineConfig
+from war.engine.engine import Engine
+from war.engine.server import create_app
+
+BS = 4
+
+
+@contextlib.contextmanager
+def serving(engine: Engine) -> Iterator[str]:
+    """The engine's app on 127.0.0.1 (a free port); yields its base URL. The engine
+    may be read once this exits (its thread is stopped)."""
+    ae = AsyncEngine(engine)
+    app = create_app(ae, model_name="tiny")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20.0
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(20.0)
+        sock.close()
+        asyncio.run(ae.close())
+
+
+def engine(spec_mode: str = "off", hold: float = 30.0, blocks: int = 128,
+           whole: bool = False) -> Engine:
+    cfg = EngineConfig(block_size=BS, num_kv_blocks=blocks, spec_mode=spec_mode,
+                       kv_hold_s=hold, admit_whole_prompt=whole)
+    return Engine(tiny_model(0, torch.float32), cfg)
+
+
+def post(client: httpx.Client, **body: Any) -> dict[str, Any]:
+    body = {"model": "tiny", "temperature": 0.0, "ignore_eos": True, **body}
+    r = client.post("/v1/completions", json=body, timeout=60.0)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def cached(resp: dict[str, Any]) -> int:
+    return int(resp["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def full_blocks(computed: int) -> int:
+    return computed // BS * BS
+
+
+@pytest.mark.parametrize("spec_mode", ["off", "always", "auto"])
+def test_continuing_turns_report_their_held_context_as_cached(spec_mode: str) -> None:
+    eng = engine(spec_mode)
+    turns = 4
+    with serving(eng) as base, httpx.Client(base_url=base) as client:
+        for form, start in (("whole", 2), ("continues", 40)):
+            tid = f"traj-{form}"
+            context = list(range(start, start + 23))
+            new = context
+            previous = 0  # the previous turn's prompt and output
+            for turn in range(turns):
+                cont = form == "continues" and turn > 0
+                r = post(client, prompt=new if cont else context, max_tokens=5 + turn,
+                         trajectory_id=tid, continues=cont)
+                assert r["usage"]["prompt_tokens"] == len(context)
+                if turn:  # the previous turn's context, but its last sampled token
+                    assert cached(r) == full_blocks(previous - 1), (form, turn)
+                context += r["choices"][0]["token_ids"]
+                previous = len(context)
+                new = [60 + turn, 61 + turn, 62 + turn]
+                context += new
+            r = client.post("/v1/trajectories/finish", json={"trajectory_id": tid})
+            assert r.status_code == 200 and r.json()["held"] is True
+    sched = eng.scheduler
+    assert sched.num_holds == 2 * turns and sched.num_holds_used == 2 * (turns - 1)
+    assert sched.num_held == 0 and eng.blocks.num_used_blocks == 0
+
+
+def test_a_re_rendered_turn_and_an_expired_hold_keep_what_is_cached() -> None:
+    eng = engine(hold=0.05)
+    with serving(eng) as base, httpx.Client(base_url=base) as client:
+        prompt = list(range(2, 25))
+        first = post(client, prompt=prompt, max_tokens=6, trajectory_id="t")
+        out = first["choices"][0]["token_ids"]
+        time.sleep(0.3)  # the tool call outlasts the hold; nothing evicts the context
+        # A chat template renders the previous answer's last tokens differently.
+        turn2 = prompt + out[:-2] + [90, 91] + [70, 71, 72]
+        second = post(client, prompt=turn2, max_tokens=6, trajectory_id="t")
+        assert cached(second) == full_blocks(len(prompt) + len(out) - 2)
+    assert eng.scheduler.num_holds == 2 and eng.scheduler.num_holds_used == 0
+
+
+def test_a_turn_queued_behind_a_cold_request_keeps_its_context() -> None:
+    # 16 blocks of 4: "t" holds 8 and "u" 6 after their first turns; a cold request
+    # (9 blocks) then waits, and so does "t"'s next turn (4 more blocks, 2 free) until
+    # "u"'s hold expires. "t"'s own hold must not expire meanwhile (its turn is here):
+    # the cold request, first in the queue, took its blocks, and the turn got 0 cached.
+    eng = engine(hold=2.0, blocks=16, whole=True)
+
+    async def main(base: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=base, timeout=60.0) as client:
+            async def complete(**body: Any) -> dict[str, Any]:
+                body = {"model": "tiny", "temperature": 0.0, "ignore_eos": True,
+                        "max_tokens": 6, **body}
+                r = await client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                out: dict[str, Any] = r.json()
+                return out
+
+            prompt_t = list(range(1, 31))
+            first = await complete(prompt=prompt_t, trajectory_id="t")
+            await complete(prompt=list(range(75, 97)), trajectory_id="u")
+            cold = asyncio.ensure_future(complete(prompt=list(range(40, 74))))
+            for _ in range(500):
+                if (await client.get("/v1/load")).json()["num_waiting"] == 1:
+                    break
+                await asyncio.sleep(0.01)
+            turn2 = prompt_t + first["choices"][0]["token_ids"] + list(range(80, 90))
+            second = await complete(prompt=turn2, trajectory_id="t")
+            finished = await client.post("/v1/trajectories/finish", json={"trajectory_id": "t"})
+            assert finished.json()["held"] is True
+            return second, await asyncio.wait_for(cold, 30.0)
+
+    with serving(eng) as base:
+        second, cold = asyncio.run(asyncio.wait_for(main(base), 60.0))
+    assert cached(second) == 32
+    assert cold["choices"][0]["finish_reason"] == "length"
+    assert eng.scheduler.num_holds_used == 1 and eng.scheduler.num_holds_broken == 0
