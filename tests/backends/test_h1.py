@@ -30,6 +30,7 @@ import war.aio
 from war.backends.base import ReplicaUnavailable
 from war.backends.h1 import ConnectionClosed, Pool, Response, TransportError
 from war.backends.http import HttpChannel, WarHttpBackend
+from war.backends.openai import OpenAICompatBackend
 from war.types import GenRequest, SamplingParams, UnknownTrajectory
 
 LOCAL = "127.0.0.1"
@@ -634,6 +635,167 @@ def test_retry_happens_once(arun: Run) -> None:
         assert [(r.target, r.conn) for r in server.requests] == [
             ("/one", 0), ("/two", 0), ("/two", 1)]
         assert server.accepted == 2
+
+
+async def post(pool: Pool, target: str = "/", idempotent: bool | None = None) -> Response:
+    return await pool.request("POST", target, body=b'{"n": 1}', timeout_s=T_CALL,
+                              connect_timeout_s=1.0, idempotent=idempotent)
+
+
+@pytest.mark.parametrize("how", [_close, _reset], ids=["close", "reset"])
+def test_pooled_post_lost_after_it_was_written_is_not_sent_again(arun: Run,
+                                                                 how: Handler) -> None:
+    # The server read the POST (a generation, say) and then the connection went: it
+    # may be running it, so a second copy must not go to it behind the caller's back.
+    with RawServer(per_connection(serve_then(1, how))) as server:
+        async def go() -> None:
+            pool = Pool(LOCAL, server.port)
+            assert body_of(await post(pool, "/one"))["conn"] == 0
+            with pytest.raises(ConnectionClosed) as e:
+                await post(pool, "/two")
+            assert e.value.sent and e.value.before_answer
+            assert not pool._idle
+            # the pool goes on with a new connection
+            assert body_of(await post(pool, "/three"))["conn"] == 1
+            pool.close()
+
+        arun(go())
+        assert [(r.method, r.target, r.conn) for r in server.requests] == [
+            ("POST", "/one", 0), ("POST", "/two", 0), ("POST", "/three", 1)]
+        assert server.accepted == 2
+
+
+def test_a_post_said_idempotent_is_sent_again_like_a_get(arun: Run) -> None:
+    with RawServer(per_connection(serve_then(1, _close))) as server:
+        async def go() -> None:
+            pool = Pool(LOCAL, server.port)
+            await post(pool, "/one")
+            assert body_of(await post(pool, "/two", idempotent=True))["conn"] == 1
+            # and a GET said not to be is not
+            await post(pool, "/three")  # (conn 1 again)
+            pool.close()
+
+        arun(go())
+        assert [(r.target, r.conn) for r in server.requests] == [
+            ("/one", 0), ("/two", 0), ("/two", 1), ("/three", 1)]
+
+    with RawServer(per_connection(serve_then(1, _close))) as server:
+        async def go_get() -> None:
+            pool = Pool(LOCAL, server.port)
+            await get(pool, "/one")
+            with pytest.raises(ConnectionClosed):
+                await pool.request("GET", "/two", timeout_s=T_CALL, connect_timeout_s=1.0,
+                                   idempotent=False)
+            pool.close()
+
+        arun(go_get())
+        assert [(r.target, r.conn) for r in server.requests] == [("/one", 0), ("/two", 0)]
+
+
+def test_pooled_post_whose_connection_was_closed_while_idle_goes_on_a_new_one(
+        arun: Run) -> None:
+    # The server closed the kept-alive connection before the call: found closed, it is
+    # not written to, and the POST goes, once, on a new connection.
+    with RawServer(per_connection(serve_then(1, _close))) as server:
+        async def go() -> None:
+            pool = Pool(LOCAL, server.port)
+            await post(pool, "/one")
+            server.peers[0].sock.shutdown(socket.SHUT_WR)  # (the server's FIN)
+            await eventually(lambda: not pool._idle or pool._idle[-1].closed)
+            assert body_of(await post(pool, "/two"))["conn"] == 1
+            pool.close()
+
+        arun(go())
+        assert [(r.target, r.conn) for r in server.requests] == [("/one", 0), ("/two", 1)]
+
+
+def test_a_post_on_a_closing_connection_is_not_written_and_goes_on_a_new_one(
+        arun: Run) -> None:
+    with RawServer(keepalive()) as server:
+        async def go() -> None:
+            pool = Pool(LOCAL, server.port)
+            await post(pool, "/one")
+            conn = pool._idle[-1]
+            assert conn.transport is not None
+            conn.transport.close()  # (closing: its connection_lost has not run yet)
+            with pytest.raises(ConnectionClosed) as e:
+                conn.send(b"POST /never HTTP/1.1\r\n\r\n")
+            assert not e.value.sent and conn.closed
+            assert body_of(await post(pool, "/two"))["conn"] == 1
+            pool.close()
+
+        arun(go())
+        assert [(r.target, r.conn) for r in server.requests] == [("/one", 0), ("/two", 1)]
+
+
+def test_a_generation_lost_after_it_was_sent_is_not_run_twice_on_the_replica(
+        arun: Run) -> None:
+    # Through WarHttpBackend: the replica read a completion request on a kept-alive
+    # connection, then reset it. The caller (the router) is told, ReplicaUnavailable,
+    # and may send it elsewhere; the replica got it once, not twice behind its back.
+    completion = answer(orjson.dumps({
+        "choices": [{"token_ids": [4], "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1}}))
+
+    def first(peer: Peer) -> None:  # answers one call, reads the next and resets
+        if peer.read_request() is not None:
+            peer.send(completion)
+            if peer.read_request() is not None:
+                peer.reset()
+
+    with RawServer(per_connection(first, then=keepalive(lambda req: completion))) \
+            as server:
+        async def go() -> None:
+            backend = WarHttpBackend("w", server.url, timeout_s=T_CALL)
+
+            def request(rid: str) -> GenRequest:
+                return GenRequest(request_id=rid, prompt_ids=(1,),
+                                  sampling=SamplingParams(max_tokens=1, logprobs=False))
+
+            assert (await backend.generate(request("g1"))).output_ids == (4,)
+            with pytest.raises(ReplicaUnavailable, match="unreachable"):
+                await backend.generate(request("g2"))
+            assert (await backend.generate(request("g3"))).output_ids == (4,)
+            await backend.close()
+
+        arun(go())
+        assert [(orjson.loads(r.body)["request_id"], r.conn) for r in server.requests] == [
+            ("g1", 0), ("g2", 0), ("g3", 1)]
+
+
+@pytest.mark.parametrize("use_metrics", [False, True], ids=["no-metrics", "metrics-404"])
+def test_openai_load_reaches_a_server_without_metrics_and_fails_if_it_hangs(
+        arun: Run, use_metrics: bool) -> None:
+    # The router's health loop probes a healthy replica with load(): without /metrics
+    # it asks /health, bounded by the health timeout, so that a hung server fails it.
+    hung = threading.Event()
+
+    def handler(peer: Peer) -> None:
+        while (req := peer.read_request()) is not None:
+            if hung.is_set():
+                peer.wait_dropped()
+                return
+            if req.target == "/metrics":
+                peer.send(answer(b"no", 404, "Not Found"))
+            else:
+                peer.send(answer(b'{"status": "ok"}'))
+
+    with RawServer(handler) as server:
+        async def go() -> None:
+            backend = OpenAICompatBackend("v", server.url, "m", use_metrics=use_metrics,
+                                          health_timeout_s=T_FAIL, timeout_s=30.0)
+            await backend.load()  # /metrics (a 404, remembered), or /health
+            await backend.load()  # /health
+            hung.set()
+            t0 = time.monotonic()
+            with pytest.raises(ReplicaUnavailable, match="timed out"):
+                await backend.load()
+            assert time.monotonic() - t0 < 1.0  # its health timeout, not the 30 s one
+            await backend.close()
+
+        arun(go())
+        first = "/metrics" if use_metrics else "/health"
+        assert [r.target for r in server.requests] == [first, "/health", "/health"]
 
 
 @pytest.mark.parametrize("partial", [

@@ -424,6 +424,37 @@ def test_a_client_hanging_up_cancels_the_fast_handler() -> None:
             assert c.post("/v1/completions", content=b"next").status_code == 200
 
 
+def test_a_hang_up_cancels_the_handler_while_another_cancellation_is_pending() -> None:
+    # The router cancels a call on a replica that failed its health check and takes
+    # that cancellation back (Router.route); a client hanging up meanwhile must still
+    # cancel its request: the edge goes by its own record, not by the task's
+    # cancelling() count.
+    seen: dict[str, int] = {"ready": 0, "cancelled": 0, "finished": 0}
+
+    async def handle(body: bytes, headers: Mapping[str, str],
+                     respond: Respond) -> tuple[int, bytes] | None:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()  # (as the router does)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(5)  # ... not yet taken back when the client hangs up
+        seen["ready"] = 1
+        try:
+            await asyncio.sleep(3)
+        except asyncio.CancelledError:
+            if task.uncancel() > 0:  # (the router's check: another cancellation came)
+                seen["cancelled"] += 1
+                raise
+        seen["finished"] += 1
+        return 200, b"{}"
+
+    route = FastRoute(handle, lambda: (413, b"{}"))
+    with running(side_app([]), {("POST", "/v1/completions"): route}) as (_, p, _):
+        hang_up_once_started(p, post("/v1/completions", b"x"), lambda: seen["ready"] == 1)
+        assert wait_for(lambda: seen["cancelled"] == 1, timeout=2.0)
+    assert seen["finished"] == 0
+
+
 def test_idle_connections_close_after_the_keepalive_timeout() -> None:
     echo = Echo()
     config = EdgeConfig(keepalive_s=0.3)

@@ -45,11 +45,18 @@ class Backend(Protocol):
 
     async def generate(self, request: GenRequest) -> GenResult:
         """Raises ``ReplicaUnavailable`` when the replica cannot be used, and
-        ``ValueError`` (including ``UnknownTrajectory``) when it refuses the request."""
+        ``ValueError`` (including ``UnknownTrajectory``) when it refuses the request.
+        May be cancelled at any await: by its caller, or by the router when the replica
+        fails a health check (it then sends the request elsewhere); it should let the
+        ``CancelledError`` through and drop what it holds for the call (its
+        connection), so that a late answer reaches no one."""
         ...
 
     async def load(self) -> ReplicaLoad:
-        """The replica's current load (raises ``ReplicaUnavailable``)."""
+        """The replica's current load (raises ``ReplicaUnavailable``). The router's
+        health loop probes a healthy replica with it: it should reach the replica,
+        within a bound of its own (a probe's, not a generation's), so that a replica
+        that hangs fails it (the router also bounds it, ``health_timeout_s``)."""
         ...
 
     async def health(self) -> bool:

@@ -5,8 +5,14 @@ most ``max_connections``, idle ones closed after ``keepalive_s``), how to write 
 request with a whole body in one write, and how to read a response with
 ``httptools``' parser (the C parser uvicorn uses: content-length, chunked or
 connection-delimited bodies). Every call has a total timeout and a connect timeout.
-A call that fails on a connection taken from the pool before any byte of the answer
-arrived (the server had closed it while idle) is sent once more on a new connection.
+A pooled connection found closed (the server's FIN read, the transport closing) is
+not used. A call whose request was not written at all goes on a new connection; one
+that was written and then lost its connection before any byte of the answer arrived
+(the server had closed it while idle, crossing the request) is sent once more on a
+new connection only if it is idempotent (GET and HEAD, or ``idempotent=True``): the
+server may have received a POST and be running it (a generation), and a second copy
+on the same replica, unknown to the caller, would run it twice, so a POST's call
+raises ``ConnectionClosed`` (with ``sent``) and the caller decides.
 An answer larger than ``max_response_bytes`` fails its call rather than filling
 memory; a connection that receives an answer no call asked for is dropped.
 
@@ -41,7 +47,20 @@ class TransportError(Exception):
 
 
 class ConnectionClosed(TransportError):
-    """The server closed the connection before its answer was complete."""
+    """The server closed the connection before its answer was complete.
+
+    ``sent``: whether any byte of the request was written (False: the server surely
+    has not received it); ``before_answer``: no byte of the answer had arrived."""
+
+    def __init__(self, message: str, *, sent: bool = True, before_answer: bool = False
+                 ) -> None:
+        super().__init__(message)
+        self.sent = sent
+        self.before_answer = before_answer
+
+
+# methods sent again after a connection lost before their answer (RFC 9110 9.2.2)
+_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 @dataclass(frozen=True)
@@ -95,6 +114,10 @@ class _Connection(asyncio.Protocol):
             self._fail(TransportError("invalid HTTP answer: a protocol upgrade"))
             self.close()
 
+    def eof_received(self) -> bool | None:
+        self.closed = True  # (the server closed its side: not to be used again)
+        return None  # (the transport closes; ``connection_lost`` ends a call under way)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         waiter = self._waiter
@@ -104,10 +127,9 @@ class _Connection(asyncio.Protocol):
             self._complete()  # the body ended with the connection (a reset is a failure)
             return
         what = "reset" if exc is not None else "closed"
-        err = ConnectionClosed(f"connection {what} before the answer was complete"
-                               + (f" ({exc})" if exc is not None else ""))
-        err.before_answer = not self._got_bytes  # type: ignore[attr-defined]
-        self._fail(err)
+        self._fail(ConnectionClosed(f"connection {what} before the answer was complete"
+                                    + (f" ({exc})" if exc is not None else ""),
+                                    before_answer=not self._got_bytes))
 
     # -- httptools callbacks
 
@@ -168,7 +190,13 @@ class _Connection(asyncio.Protocol):
             waiter.set_exception(exc)
 
     def send(self, data: bytes) -> asyncio.Future[Response]:
+        """Writes a request; its answer's future. ``ConnectionClosed`` (``sent``
+        False), nothing written, if the connection is closed or closing."""
         assert self.transport is not None and self._waiter is None
+        if self.closed or self.transport.is_closing():
+            self.closed = True
+            raise ConnectionClosed("connection closed before the request was sent",
+                                   sent=False, before_answer=True)
         self._reset()
         self._received = 0
         self._waiter = asyncio.get_running_loop().create_future()
@@ -224,9 +252,15 @@ class Pool:
 
     async def request(self, method: str, target: str, *, body: bytes | None = None,
                       headers: tuple[tuple[str, str], ...] = (), timeout_s: float,
-                      connect_timeout_s: float) -> Response:
+                      connect_timeout_s: float, idempotent: bool | None = None
+                      ) -> Response:
         """One call. Raises ``TimeoutError`` past ``timeout_s`` (the connection, if any,
-        is dropped), ``TransportError`` or ``OSError`` when the call fails below HTTP."""
+        is dropped), ``TransportError`` or ``OSError`` when the call fails below HTTP.
+
+        ``idempotent`` (default: by the method, GET, HEAD and OPTIONS): whether the call
+        may be sent again after a pooled connection was lost before any byte of its
+        answer, the request written (the server may have received it). A call whose
+        request was not written at all is always sent on a new connection."""
         if self._closed:
             raise TransportError("the pool is closed")
         loop = asyncio.get_running_loop()
@@ -243,8 +277,11 @@ class Pool:
             try:
                 return await self._exchange(conn, data, deadline)
             except ConnectionClosed as e:
-                # A connection the server closed while idle: nothing was processed.
-                if not (conn.reused and getattr(e, "before_answer", False)):
+                # Not written: the server has nothing of it. Written on a connection the
+                # server closed while idle, no answer begun: probably not processed,
+                # but only an idempotent call may be sent again to find out.
+                if e.sent and not (conn.reused and e.before_answer and (
+                        method in _IDEMPOTENT if idempotent is None else idempotent)):
                     raise
             conn = await self._connect(connect_timeout_s, deadline)
             return await self._exchange(conn, data, deadline)
@@ -326,7 +363,8 @@ class Pool:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()  # the most recently used: least likely to be stale
-            if conn.closed:
+            if conn.closed or conn.transport is None or conn.transport.is_closing():
+                conn.closed = True
                 continue
             if now - conn.idle_since > self.keepalive_s:
                 conn.close()

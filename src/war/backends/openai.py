@@ -265,7 +265,10 @@ class OpenAICompatBackend:
 
     ``model`` is the served model name sent to vLLM (``None``: the server's
     default; SGLang's ``/generate`` takes none). ``use_metrics``: read ``/metrics``
-    in ``load()`` (a server without it is remembered and not asked again).
+    in ``load()`` (a server without it is remembered and not asked again); without
+    ``/metrics`` ``load()`` asks ``/health`` instead, so that it always reaches the
+    server within ``health_timeout_s`` (the router's health loop probes a healthy
+    replica with ``load()``: a server that hangs must fail it).
     ``text_prompt`` (vLLM only) turns a request's token ids into the text sent as
     the prompt, for fronts that refuse token-id prompts (sglang-router's
     ``/v1/completions``); the server tokenizes that text again, and each answer
@@ -454,7 +457,11 @@ class OpenAICompatBackend:
         tokens = sum(self._inflight.values())
         waiting = 0
         used = total = block_size = 0
-        if self.use_metrics:
+        if not self.use_metrics or self._metrics_missing:
+            # (the router's health loop takes this call as the probe of a healthy
+            # replica: it must reach the server, bounded, so that a hung one is found)
+            await self._probe()
+        else:
             m = await self.server_metrics()
             if m is not None:
                 running = m.num_running if m.num_running is not None else running
@@ -465,6 +472,13 @@ class OpenAICompatBackend:
                     used = min(total, round(m.kv_usage * total))
         return ReplicaLoad(num_running=running, num_waiting=waiting, tokens_in_flight=tokens,
                            kv_blocks_used=used, kv_blocks_total=total, block_size=block_size)
+
+    async def _probe(self) -> None:
+        """``GET /health`` within the health timeout: ``ReplicaUnavailable`` if the
+        server does not answer or answers with a 5xx."""
+        answer = await self._http.get_unchecked("/health", self.name)
+        if answer.status_code >= 500:
+            raise ReplicaUnavailable(f"{self.name}: /health failed ({answer.status_code})")
 
     async def health(self) -> bool:
         return await self._http.health("/health")

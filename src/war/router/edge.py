@@ -128,6 +128,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[_Request] = deque()
         self.task: asyncio.Task[None] | None = None  # answers the queue, one at a time
+        self._cancelled: asyncio.Task[None] | None = None  # the task this cancelled
         self.busy = False  # a request is being answered
         self._wake: asyncio.Future[None] | None = None  # the task waits for a request
         self.closed = False
@@ -205,10 +206,19 @@ class _Connection(asyncio.Protocol):
         self.edge.connections.discard(self)
         if self.gone is not None and not self.gone.done():
             self.gone.set_result(None)
-        # The client hung up: abandon its request's work (once: a second cancel would
-        # also cut short the cleanup of a request a stopping server has cancelled).
-        if self.task is not None and not self.task.cancelling():
-            self.task.cancel()
+        # The client hung up: abandon its request's work.
+        self.cancel_task()
+
+    def cancel_task(self) -> None:
+        """Cancels the connection's task, once (a second cancel would also cut short the
+        cleanup of a request a stopping server has cancelled). Told by this
+        connection's own record, not by the task's ``cancelling()``: the router cancels
+        a task awaiting a replica that failed its health check, and takes that back
+        (``Router.route``), so a hang-up meanwhile must still cancel it."""
+        task = self.task
+        if task is not None and task is not self._cancelled:
+            self._cancelled = task
+            task.cancel()
 
     # -- httptools callbacks
 
@@ -572,8 +582,8 @@ class Edge:
         tasks = []
         for conn in list(self.connections):
             if conn.task is not None:
-                conn.task.cancel()
                 tasks.append(conn.task)
+                conn.cancel_task()
             if conn.transport is not None:
                 conn.transport.abort()
         if tasks:  # (their cleanup may still use the app: it runs before its shutdown)

@@ -40,6 +40,9 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("war_router_failed", "failed",
      "Requests that failed (no replica left, retries exhausted, context lost)."),
     ("war_router_retries", "retries", "Requests sent again after their replica failed."),
+    ("war_router_in_flight_aborted", "in_flight_aborted",
+     "Requests in flight cancelled on a replica that failed a health check (each then "
+     "sent again elsewhere, or failed)."),
     ("war_router_migrations", "migrations",
      "Trajectory turns placed on another replica than the one holding the trajectory."),
     ("war_router_resent_contexts", "resent_contexts",

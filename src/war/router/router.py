@@ -16,6 +16,17 @@ policy's): any other is sent the whole context. A background task checks down
 replicas' health (all replicas at once, each within a bound) and lets them rejoin.
 Requests fail only when no replica is left or retries run out.
 
+A replica that fails a health check (its probe raised ``ReplicaUnavailable`` or ran past
+``health_timeout_s``; for one already down, its ``health()`` said no) is marked down and
+its requests in flight are cancelled there and sent again elsewhere at once
+(``RouterConfig.failover_in_flight``), rather than each waiting for the generation
+timeout of a replica that hangs: the router cancels the task awaiting the call (the
+backend drops its connection), books the attempt as failed (the policy's
+``on_complete`` with no result, a retry counted) and re-sends the request with the same
+id, whole for a continuing turn, as after any failure. A cancellation of the caller's
+own (a client hanging up) still ends the request; a late answer of the hung replica has
+no one left to reach.
+
 A replica that refuses the router's credentials (HTTP 401 or 403: the router was given
 no key for it, or the wrong one) is a configuration error, not a failure: the request
 fails at once with ``ReplicaAuthRefused`` naming the replica (no retry elsewhere, the
@@ -99,6 +110,12 @@ class RouterConfig:
       its load) may take; past it the replica is marked down (replicas are checked
       concurrently, so one that never answers holds up no other). Above the HTTP
       backends' own probe timeout (2 s), so that theirs, more precise, comes first.
+    * ``failover_in_flight``: when a replica fails a health check, cancel its requests
+      in flight and send them to other replicas at once (a replica that hangs would
+      otherwise hold each for its whole generation timeout). A replica marked down by
+      one request's own failure (a 5xx, a lost connection) keeps its other requests
+      until the health loop's next check of it fails too. False: requests in flight
+      finish or fail on their own.
     * ``share_history``: forward completed responses to the other replicas.
     * ``history_lead_in``: prompt tokens forwarded before each response, as a
       replica's own history entries carry them (``SpecConfig.lead_in``), so a
@@ -129,8 +146,12 @@ class RouterConfig:
     history_lead_in: int = 8
     max_trajectories: int = 100_000
     max_context_tokens: int = 32_000_000
+    failover_in_flight: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.failover_in_flight, bool):
+            raise ValueError(f"failover_in_flight must be a bool, got "
+                             f"{self.failover_in_flight!r}")
         for name in ("max_attempts", "history_batch", "history_lead_in", "max_trajectories",
                      "max_context_tokens"):
             value = getattr(self, name)
@@ -163,8 +184,9 @@ class _Replica:
     flight there, and its last load report (with the parts of a ``ReplicaView`` the
     report gives, worked out once per report rather than once per request)."""
 
-    __slots__ = ("_load", "auth_refused", "backend", "failures", "healthy", "load_view",
-                 "num_requests", "served", "takes_priority", "tokens_in_flight")
+    __slots__ = ("_load", "aborted", "auth_refused", "backend", "calls", "failures",
+                 "healthy", "load_view", "num_requests", "served", "takes_priority",
+                 "tokens_in_flight")
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -178,6 +200,11 @@ class _Replica:
         # it refused the router's credentials (401/403) since its last served request
         self.auth_refused = False
         self.load = None
+        # the tasks awaiting a call to it, each with its ``cancelling()`` count when the
+        # call began; those the router cancelled (``Router._abort_in_flight``) move to
+        # ``aborted`` until they see it
+        self.calls: dict[asyncio.Task[Any], int] = {}
+        self.aborted: dict[asyncio.Task[Any], int] = {}
 
     @property
     def load(self) -> ReplicaLoad | None:
@@ -208,6 +235,9 @@ class RouterStats:
     replicas_marked_down: int = 0
     history_forwarded: int = 0
     auth_refusals: int = 0  # calls replicas refused for the router's credentials (401/403)
+    # requests in flight cancelled on a replica that failed a health check (each then
+    # sent again elsewhere, counted in ``retries``, or failed)
+    in_flight_aborted: int = 0
     per_replica: dict[str, int] = field(default_factory=dict)
 
 
@@ -308,6 +338,8 @@ class Router:
         full = self._full_prompt(request)
         attempts = 0
         tried: set[str] = set()
+        # (the task awaiting each call: the health loop cancels it if the replica fails)
+        task = asyncio.current_task() if self.config.failover_in_flight else None
         while True:
             healthy = [v for v in self.views() if v.healthy]
             if not healthy:
@@ -352,6 +384,10 @@ class Router:
             size = len(full if full is not None else send.prompt_ids) + send.sampling.max_tokens
             rep.num_requests += 1
             rep.tokens_in_flight += size
+            calls = rep.calls
+            if task is not None:
+                calls[task] = task.cancelling()
+            aborted = False  # cancelled by the router alone: the replica failed its check
             try:
                 try:  # (``_send`` inlined: one coroutine less per request)
                     result = await rep.backend.generate(send)
@@ -360,8 +396,21 @@ class Router:
                         self.stats.failed += 1
                         raise
                     result = await self._resend_whole(rep, send, full)
-            except ReplicaUnavailable as exc:
-                self._mark_down(name, exc)
+                finally:
+                    if task is not None:
+                        base = calls.pop(task, None)
+                        if base is None:  # (``_abort_in_flight`` took it) its cancel, undone
+                            base = rep.aborted.pop(task, 0)
+                            # (another cancel as well, the caller's: it ends the request)
+                            aborted = task.uncancel() <= base
+            except (ReplicaUnavailable, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError):
+                    if not aborted:  # the caller's: the request ends here
+                        self.policy.on_complete(request, None, name, self._clock())
+                        raise
+                    # (the replica is down already, and its failure counted)
+                else:
+                    self._mark_down(name, exc)
                 self.policy.on_complete(request, None, name, self._clock())
                 attempts += 1
                 tried.add(name)
@@ -584,10 +633,36 @@ class Router:
             log.warning("replica %s marked down: %s", name, exc)
             self.policy.on_replica_down(name, self._clock())
 
+    def _abort_in_flight(self, name: str, rep: _Replica, why: str) -> int:
+        """Cancels the calls in flight on replica ``name``, which failed a health check
+        (``why``), so that their requests go to other replicas now rather than at their
+        generation timeout (``route`` tells the router's cancellation from its caller's
+        and re-sends them); returns how many. Nothing with ``failover_in_flight`` off."""
+        calls = rep.calls
+        if not calls or not self.config.failover_in_flight:
+            return 0
+        me = asyncio.current_task()
+        n = 0
+        for task, base in list(calls.items()):
+            # (one its caller is cancelling already ends anyway: left to it)
+            if task is me or task.done() or task.cancelling() > base:
+                continue
+            del calls[task]
+            rep.aborted[task] = base
+            task.cancel(f"replica {name} failed its health check")
+            n += 1
+        if n:
+            self.stats.in_flight_aborted += n
+            log.warning("replica %s failed its health check (%s): its %d request(s) in "
+                        "flight are sent to other replicas", name, why, n)
+        return n
+
     async def check_health(self) -> None:
         """One round: down replicas that answer rejoin; loads are refreshed. Replicas
         are checked concurrently, each within ``health_timeout_s``: one that accepts
-        connections but never answers delays no other, and is marked down itself."""
+        connections but never answers delays no other, and is marked down itself. A
+        replica that fails its check has its requests in flight sent elsewhere
+        (``failover_in_flight``)."""
         await asyncio.gather(*[self._check(name, rep) for name, rep in self.replicas.items()])
 
     async def _check(self, name: str, rep: _Replica) -> None:
@@ -598,6 +673,8 @@ class Router:
             async with asyncio.timeout(timeout):
                 if not rep.healthy:
                     if not await rep.backend.health():
+                        # (down since a request failed there: now its check fails too)
+                        self._abort_in_flight(name, rep, "no health answer")
                         return
                     back = True
                 rep.load = await rep.backend.load()
@@ -607,10 +684,12 @@ class Router:
                 self._rejoin(name, rep)
         except ReplicaUnavailable as exc:
             self._mark_down(name, exc)  # (one that is down stays down, counted once)
+            self._abort_in_flight(name, rep, str(exc))
         except TimeoutError:  # (the bound above, or the backend's own)
+            why = f"no health or load answer within {timeout} s"
             if rep.healthy:  # (a down replica whose health check hangs stays down)
-                self._mark_down(name, ReplicaUnavailable(
-                    f"{name}: no health or load answer within {timeout} s"))
+                self._mark_down(name, ReplicaUnavailable(f"{name}: {why}"))
+            self._abort_in_flight(name, rep, why)
         except Exception as exc:  # a load report is advisory
             if self._refused(name, rep, exc) is None:
                 log.debug("load of %s failed: %r", name, exc)
