@@ -322,7 +322,7 @@ class Engine:
         seq = Sequence(request, sid, self._arrivals,
                        make_generator(sp.seed, self._generator), self._clock())
         self._seqs[request.request_id] = seq
-        self.scheduler.add(seq, seq.arrival_s)
+        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> GenResult | None:
         """Stops a request; returns its partial result (None if unknown). Its

@@ -21,12 +21,9 @@ A hold ends when taken over, when it expires, when the trajectory is finished
 (``release_hold``), when its queued next turn is aborted (as aborting a running
 turn lets go of the context it took over), or when a running sequence needs its
 blocks (holds give way, soonest expiring first, before anyone is preempted).
-A hold does not expire while a turn of its trajectory is queued: its wait (the
-tool call) is over, and expiring would hand the context to whatever request is
-admitted first (a cold one at the head of the queue evicted it, and the turn
-then recomputed its whole context). Should every hold's turn be queued with
-none of them fitting beside the others' contexts, no hold could expire or be
-taken over: the one that expires first gives way.
+A hold expires at ``kv_hold_s`` even when its trajectory's next turn is queued
+for room (docs/engine.md: keeping such holds until admitted measured worse under KV
+pressure); the context then stays cached but unpinned.
 Waiting requests never break a hold, whatever their priority: when held
 contexts leave too little room for anything waiting, nothing runs until one is
 taken over or expires (``hold_expiry``), as recomputing a long context costs
@@ -88,18 +85,11 @@ class Scheduler:
 
     # ------------------------------------------------------------ queue
 
-    def add(self, seq: Sequence, now: float | None = None) -> None:
-        """Queues a sequence. ``now`` (a new request's arrival): a hold of its
-        trajectory that has expired by then ends first; a queued turn keeps only a
-        hold it arrived in time for."""
+    def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         heapq.heappush(self._waiting, (seq.sort_key(), seq))
         tid = seq.request.trajectory_id
         if tid is not None:
-            hold = self._holds.get(tid)
-            if now is not None and hold is not None and hold[1] <= now \
-                    and tid not in self._waiting_tids:
-                self._release_hold(tid)
             self._waiting_tids[tid] = self._waiting_tids.get(tid, 0) + 1
 
     def _dequeued(self, seq: Sequence) -> None:
@@ -154,12 +144,7 @@ class Scheduler:
             else:
                 out.prefills.append((seq, n))
         # Then admit waiting sequences while the budget and the blocks allow.
-        budget = self._admit_waiting(budget, scheduled, out)
-        while out.is_empty and self._waiting and self._holds and self.hold_expiry is None:
-            # Nothing runs and every hold's turn is queued (so none expires), none of
-            # them fitting beside the other held contexts: one gives way.
-            self.break_hold()
-            budget = self._admit_waiting(budget, scheduled, out)
+        self._admit_waiting(budget, scheduled, out)
         self.blocked = out.is_empty and bool(self._waiting) and bool(self._holds)
         return out
 
@@ -351,18 +336,12 @@ class Scheduler:
 
     @property
     def hold_expiry(self) -> float | None:
-        """When the first hold expires (None: no hold that can expire; a hold whose
-        trajectory has a turn queued does not)."""
-        queued = self._waiting_tids
-        return min((until for tid, (_, until) in self._holds.items() if tid not in queued),
-                   default=None)
+        """When the first hold expires (None: no hold)."""
+        return min((h[1] for h in self._holds.values()), default=None)
 
     def expire_holds(self, now: float) -> None:
-        """Releases the holds whose time is up, except those whose trajectory has a
-        turn queued (it takes the context over once it fits)."""
-        queued = self._waiting_tids
         for tid, (_, until) in list(self._holds.items()):
-            if until <= now and tid not in queued:
+            if until <= now:
                 self._release_hold(tid)
 
     def release_hold(self, trajectory_id: str) -> bool:
