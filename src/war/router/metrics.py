@@ -72,8 +72,9 @@ _PER_REPLICA: tuple[tuple[str, str, str, str], ...] = (
     ("war_router_replica_served", "served", "Requests the replica answered.", "counter"),
     ("war_router_replica_failures", "failures", "Failures seen on the replica.", "counter"),
     ("war_router_replica_auth_refused", "auth_refused",
-     "1 while the replica refuses the router's credentials (since its last served "
-     "request), else 0.", "gauge"),
+     "1 while the replica refuses the router's credentials (left out of placement "
+     "until a request to it is served or its load poll, refused, is accepted), else 0.",
+     "gauge"),
 )
 
 

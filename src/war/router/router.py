@@ -28,11 +28,21 @@ own (a client hanging up) still ends the request; a late answer of the hung repl
 no one left to reach.
 
 A replica that refuses the router's credentials (HTTP 401 or 403: the router was given
-no key for it, or the wrong one) is a configuration error, not a failure: the request
-fails at once with ``ReplicaAuthRefused`` naming the replica (no retry elsewhere, the
-replica is not marked down), the refusal is counted and logged once (again only after
-a request to that replica has succeeded); refusals of the health loop's load polls, of
-forwarded history and of finished trajectories are counted and logged the same way.
+no key for it, or the wrong one, or the replica was started with another key) is a
+configuration error, not a failure: it is not marked down (its health probe may well
+pass), but flagged ``auth_refused`` and left out of placement while the flag is set,
+and the request is sent again to a replica that has not refused (a retry, booked as
+after any failure: the policy's ``on_complete`` without a result, the whole context
+for a continuing turn). Only when every replica left (not down) has refused does a
+request fail, with ``ReplicaAuthRefused`` naming them. The flag (and the exclusion)
+ends when a call to the replica succeeds: a served request, or a load poll of the
+health loop that succeeds after the replica's previous poll was refused (so a poll
+that does not carry the key's proof, such as vLLM's open ``/metrics``, cannot bring it
+back on every round only for the next request to be refused). A flagged replica whose
+load poll is not refused gets one request as a trial every ``auth_retry_s`` (refused
+again: the request goes elsewhere). Each refusal is counted; the first of an episode
+(until the flag ends) is logged at ERROR. Refusals of load polls, forwarded history and
+finished trajectories set the flag the same way.
 """
 
 from __future__ import annotations
@@ -59,25 +69,54 @@ class NoReplicaAvailable(RuntimeError):
     """Every replica is down (or the retries ran out)."""
 
 
+_KEY_HINT = ("the router must send the replicas' key (war route --replica-api-key or "
+             "WAR_REPLICA_API_KEY)")
+
+
 class ReplicaAuthRefused(RuntimeError):
     """A replica refused the router's credentials (HTTP 401 or 403): the key the router
-    sends it (``war route --replica-api-key``) is missing or wrong. Not retried on
-    another replica: the fleet is misconfigured, and the operator should hear of it.
+    sends it (``war route --replica-api-key``) is missing or wrong. The router sends the
+    request to another replica; a request fails with it only when every replica left
+    has refused (``every``: one error naming them all).
 
     ``replica``: its name; ``status``: 401 or 403; ``call``: the refused call
-    (``POST /v1/completions``); ``detail``: the replica's own message (truncated). The
-    key itself is never part of it."""
+    (``POST /v1/completions``); ``detail``: the replica's own message (truncated);
+    ``refusals``: this one and, for an ``every`` error, the other replicas' (``replicas``:
+    their names). The key itself is never part of it."""
 
     def __init__(self, replica: str, status: int, call: str, detail: str = "") -> None:
         self.replica = replica
         self.status = status
         self.call = call
         self.detail = detail
-        said = f": {detail}" if detail else ""
+        self.refusals: tuple[ReplicaAuthRefused, ...] = (self,)
         super().__init__(
-            f"replica {replica} refused the router's API key ({status} on {call}{said}); "
-            "the router must send the replicas' key (war route --replica-api-key or "
-            "WAR_REPLICA_API_KEY)")
+            f"replica {replica} refused the router's API key ({self._what()}); {_KEY_HINT}")
+
+    def _what(self) -> str:
+        said = f": {self.detail}" if self.detail else ""
+        return f"{self.status} on {self.call}{said}"
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        return tuple(r.replica for r in self.refusals)
+
+    @classmethod
+    def every(cls, refusals: Sequence[ReplicaAuthRefused]) -> ReplicaAuthRefused:
+        """One error for several replicas' refusals (at least one; the same one back
+        for a single): "replicas r0, r1 refused the router's API key (r0: 401 on ...;
+        r1: ...)"."""
+        if not refusals:
+            raise ValueError("every() needs at least one refusal")
+        if len(refusals) == 1:
+            return refusals[0]
+        first = refusals[0]
+        err = cls(first.replica, first.status, first.call, first.detail)
+        err.refusals = tuple(refusals)
+        names = ", ".join(r.replica for r in refusals)
+        each = "; ".join(f"{r.replica}: {r._what()}" for r in refusals)
+        err.args = (f"replicas {names} refused the router's API key ({each}); {_KEY_HINT}",)
+        return err
 
 
 _DETAIL_CHARS = 200
@@ -110,6 +149,11 @@ class RouterConfig:
       its load) may take; past it the replica is marked down (replicas are checked
       concurrently, so one that never answers holds up no other). Above the HTTP
       backends' own probe timeout (2 s), so that theirs, more precise, comes first.
+    * ``auth_retry_s``: a replica that refused the router's credentials, whose load poll
+      is not refused (so cannot show when it accepts them again: vLLM's and SGLang's
+      ``/metrics`` need no key), is offered one request as a trial this long after its
+      last refusal (refused again: the request goes to another replica). One whose poll
+      is refused rejoins at its first accepted poll instead.
     * ``failover_in_flight``: when a replica fails a health check, cancel its requests
       in flight and send them to other replicas at once (a replica that hangs would
       otherwise hold each for its whole generation timeout). A replica marked down by
@@ -147,6 +191,7 @@ class RouterConfig:
     max_trajectories: int = 100_000
     max_context_tokens: int = 32_000_000
     failover_in_flight: bool = True
+    auth_retry_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.failover_in_flight, bool):
@@ -163,6 +208,9 @@ class RouterConfig:
         if not 0 < self.health_interval_s < math.inf:  # (inf: down replicas never re-checked)
             raise ValueError(f"health_interval_s must be a finite number > 0, got "
                              f"{self.health_interval_s}")
+        if not 0 < self.auth_retry_s < math.inf:
+            raise ValueError(f"auth_retry_s must be a finite number > 0, got "
+                             f"{self.auth_retry_s}")
         if not 0 < self.health_timeout_s < math.inf:
             raise ValueError(f"health_timeout_s must be a finite number > 0, got "
                              f"{self.health_timeout_s}")
@@ -184,9 +232,9 @@ class _Replica:
     flight there, and its last load report (with the parts of a ``ReplicaView`` the
     report gives, worked out once per report rather than once per request)."""
 
-    __slots__ = ("_load", "aborted", "auth_refused", "backend", "calls", "failures",
-                 "healthy", "load_view", "num_requests", "served", "takes_priority",
-                 "tokens_in_flight")
+    __slots__ = ("_load", "aborted", "auth_refused", "auth_trial_at", "backend", "calls",
+                 "failures", "healthy", "last_refusal", "load_view", "num_requests",
+                 "poll_refused", "served", "takes_priority", "tokens_in_flight")
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -197,8 +245,14 @@ class _Replica:
         self.tokens_in_flight = 0
         self.served = 0
         self.failures = 0
-        # it refused the router's credentials (401/403) since its last served request
+        # it refused the router's credentials (401/403) and has not accepted them since
+        # (a served request, or an accepted load poll after a refused one): left out of
+        # placement meanwhile, though not down; its last refusal, whether its last load
+        # poll was refused, and (the router's clock) when it may have a trial request
         self.auth_refused = False
+        self.last_refusal: ReplicaAuthRefused | None = None
+        self.poll_refused = False
+        self.auth_trial_at = 0.0
         self.load = None
         # the tasks awaiting a call to it, each with its ``cancelling()`` count when the
         # call began; those the router cancelled (``Router._abort_in_flight``) move to
@@ -276,6 +330,8 @@ class Router:
         # history waiting to be forwarded, per replica, and whether a flush is due
         self._pending: dict[str, list[tuple[Sequence[int], str | None]]] = {}
         self._flush_due: set[str] = set()
+        # names of the replicas flagged ``auth_refused`` (left out of placement)
+        self._refusing: set[str] = set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -313,6 +369,20 @@ class Router:
         return [ReplicaView(name, r.healthy, r.num_requests, r.tokens_in_flight, *r.load_view)
                 for name, r in self.replicas.items()]
 
+    def _placeable(self, views: list[ReplicaView]) -> list[ReplicaView]:
+        """``views`` less the replicas that refused the router's credentials, but for one
+        whose trial is due (its load poll is not refused, so cannot show it accepting
+        the key again, and ``auth_retry_s`` have passed since its last refusal or
+        trial)."""
+        now = self._clock()
+        replicas = self.replicas
+        out = []
+        for v in views:
+            r = replicas[v.name]
+            if not r.auth_refused or (not r.poll_refused and now >= r.auth_trial_at):
+                out.append(v)
+        return out
+
     async def generate(self, request: GenRequest) -> GenResult:
         """Serves one request on some replica, retrying elsewhere on failure."""
         result, _ = await self.route(request)
@@ -338,22 +408,32 @@ class Router:
         full = self._full_prompt(request)
         attempts = 0
         tried: set[str] = set()
+        refusals: list[ReplicaAuthRefused] = []  # this request's, while all it met
         # (the task awaiting each call: the health loop cancels it if the replica fails)
         task = asyncio.current_task() if self.config.failover_in_flight else None
         while True:
             healthy = [v for v in self.views() if v.healthy]
+            if self._refusing:  # (those that refused the key are left out)
+                healthy = self._placeable(healthy)
             if not healthy:
                 self.stats.failed += 1
+                refusing = [r.last_refusal for r in self.replicas.values()
+                            if r.healthy and r.auth_refused and r.last_refusal is not None]
+                if refusing:  # every replica left refused the router's key
+                    raise ReplicaAuthRefused.every(refusing) from None
                 raise NoReplicaAvailable(f"request {request.request_id}: no replica is up")
             decision = self.policy.select(request, healthy, self._clock())
             name = decision.replica
             rep = self.replicas.get(name)
-            if rep is None or not rep.healthy:
+            if rep is None or not rep.healthy or (
+                    rep.auth_refused and not any(v.name == name for v in healthy)):
                 # the policy counts the request as placed there: it failed
                 self.policy.on_complete(request, None, name, self._clock())
                 self.stats.failed += 1
                 raise RuntimeError(f"policy {self.policy.name} chose {name!r}, which is not a "
                                    "healthy replica")
+            if rep.auth_refused:  # its trial (``_placeable``): the next one after a while
+                rep.auth_trial_at = self._clock() + self.config.auth_retry_s
             if decision.migrated:
                 self.stats.migrations += 1
             send = request
@@ -403,19 +483,32 @@ class Router:
                             base = rep.aborted.pop(task, 0)
                             # (another cancel as well, the caller's: it ends the request)
                             aborted = task.uncancel() <= base
-            except (ReplicaUnavailable, asyncio.CancelledError) as exc:
+            except BaseException as exc:
+                refused = None
                 if isinstance(exc, asyncio.CancelledError):
                     if not aborted:  # the caller's: the request ends here
                         self.policy.on_complete(request, None, name, self._clock())
                         raise
                     # (the replica is down already, and its failure counted)
-                else:
+                elif isinstance(exc, ReplicaUnavailable):
                     self._mark_down(name, exc)
+                else:
+                    refused = self._refused(name, rep, exc)
+                    if refused is None:  # the request's own error (a 400, a 409)
+                        self.policy.on_complete(request, None, name, self._clock())
+                        raise
+                    # (the replica is left out of placement now: sent elsewhere)
                 self.policy.on_complete(request, None, name, self._clock())
                 attempts += 1
                 tried.add(name)
+                if refused is None:
+                    refusals = []  # (a failure too: no longer every replica's refusal)
+                elif attempts == len(refusals) + 1:
+                    refusals.append(refused)
                 if attempts >= self.config.max_attempts:
                     self.stats.failed += 1
+                    if refusals:
+                        raise ReplicaAuthRefused.every(refusals) from None
                     raise NoReplicaAvailable(
                         f"request {request.request_id}: failed on {sorted(tried)}") from exc
                 if full is None and request.continues:  # (not retried: no retry counted)
@@ -426,19 +519,12 @@ class Router:
                     ) from exc
                 self.stats.retries += 1
                 continue
-            except BaseException as exc:
-                self.policy.on_complete(request, None, name, self._clock())
-                refused = self._refused(name, rep, exc)
-                if refused is not None:  # the fleet's configuration: not retried
-                    self.stats.failed += 1
-                    raise refused from None
-                raise
             finally:
                 rep.num_requests -= 1
                 rep.tokens_in_flight -= size
             rep.served += 1
             if rep.auth_refused:
-                rep.auth_refused = False
+                self._accepted(name, rep, "served a request")
             self.stats.completed += 1
             self.stats.per_replica[name] = self.stats.per_replica.get(name, 0) + 1
             try:
@@ -479,7 +565,7 @@ class Router:
         home = self._homes.pop(trajectory_id, None)
         rep = self.replicas.get(home) if home is not None else None
         release = getattr(rep.backend, "finish_trajectory", None) if rep is not None else None
-        if rep is not None and rep.healthy and callable(release):
+        if rep is not None and rep.healthy and not rep.auth_refused and callable(release):
             try:
                 asyncio.get_running_loop()
             except RuntimeError:
@@ -572,7 +658,7 @@ class Router:
         lead = min(self.config.history_lead_in, len(prompt))
         item = ([*prompt[len(prompt) - lead:], *result.output_ids], group_id)
         for name, rep in self.replicas.items():
-            if name == source or not rep.healthy:
+            if name == source or not rep.healthy or rep.auth_refused:
                 continue
             pending = self._pending.setdefault(name, [])
             pending.append(item)
@@ -597,7 +683,7 @@ class Router:
     async def _flush(self, name: str) -> None:
         items = self._pending.pop(name, [])
         rep = self.replicas.get(name)
-        if items and rep is not None and rep.healthy:
+        if items and rep is not None and rep.healthy and not rep.auth_refused:
             await self._forward(rep, items, name)
 
     async def _forward(self, rep: _Replica, items: Sequence[tuple[Sequence[int], str | None]],
@@ -613,16 +699,31 @@ class Router:
 
     def _refused(self, name: str, rep: _Replica, exc: BaseException
                  ) -> ReplicaAuthRefused | None:
-        """``auth_refusal`` of ``exc`` (a call to replica ``name``), counted, and logged
-        unless the replica is already known to refuse the router's credentials; None if
-        ``exc`` is no such refusal."""
+        """``auth_refusal`` of ``exc`` (a call to replica ``name``), counted; the replica
+        is flagged ``auth_refused`` (left out of placement), and logged unless it was
+        already (once per episode). None if ``exc`` is no such refusal."""
         refused = auth_refusal(exc, rep.backend.name, name)
         if refused is not None:
             self.stats.auth_refusals += 1
+            rep.last_refusal = refused
+            rep.auth_trial_at = self._clock() + self.config.auth_retry_s
             if not rep.auth_refused:
                 rep.auth_refused = True
-                log.error("%s", refused)
+                self._refusing.add(name)
+                others = sum(1 for n, r in self.replicas.items()
+                             if n not in self._refusing and r.healthy)
+                log.error("%s; it is left out of placement until it accepts the key "
+                          "(%d other replica(s) up that have not refused it)", refused, others)
         return refused
+
+    def _accepted(self, name: str, rep: _Replica, how: str) -> None:
+        """Replica ``name``, flagged ``auth_refused``, accepted a call of the router
+        (``how``): it rejoins placement."""
+        rep.auth_refused = False
+        rep.last_refusal = None
+        self._refusing.discard(name)
+        log.warning("replica %s accepts the router's API key again (%s): back in placement",
+                    name, how)
 
     def _mark_down(self, name: str, exc: BaseException) -> None:
         rep = self.replicas[name]
@@ -678,6 +779,13 @@ class Router:
                         return
                     back = True
                 rep.load = await rep.backend.load()
+            if rep.poll_refused:
+                # (a refused poll, now accepted, shows that the replica takes the key; a
+                # poll that was never refused may need none: it proves nothing, and its
+                # success cannot end the episode on every round)
+                rep.poll_refused = False
+                if rep.auth_refused:
+                    self._accepted(name, rep, "its load poll was accepted")
             # (a replica rejoins only with its new load report: meanwhile it is offered
             # to no request, with the report from before it went down or otherwise)
             if back:
@@ -693,6 +801,8 @@ class Router:
         except Exception as exc:  # a load report is advisory
             if self._refused(name, rep, exc) is None:
                 log.debug("load of %s failed: %r", name, exc)
+            else:
+                rep.poll_refused = True
             if back:
                 self._rejoin(name, rep)
 
