@@ -73,7 +73,6 @@ class Scheduler:
         self.kv_hold_s = kv_hold_s if blocks.enable_prefix_cache else 0.0
         self.admit_whole_prompt = admit_whole_prompt
         self._waiting: list[tuple[tuple[float, int], Sequence]] = []
-        self._waiting_tids: dict[str, int] = {}  # trajectory id -> its queued sequences
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # trajectory id -> (blocks held for its next turn, expiry time)
@@ -88,19 +87,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         heapq.heappush(self._waiting, (seq.sort_key(), seq))
-        tid = seq.request.trajectory_id
-        if tid is not None:
-            self._waiting_tids[tid] = self._waiting_tids.get(tid, 0) + 1
-
-    def _dequeued(self, seq: Sequence) -> None:
-        """Bookkeeping of a sequence taken off the queue."""
-        tid = seq.request.trajectory_id
-        if tid is not None:
-            left = self._waiting_tids[tid] - 1
-            if left:
-                self._waiting_tids[tid] = left
-            else:
-                del self._waiting_tids[tid]
 
     @property
     def num_waiting(self) -> int:
@@ -114,10 +100,7 @@ class Scheduler:
         return bool(self._waiting or self.running)
 
     def remove_waiting(self, seq: Sequence) -> None:
-        kept = [(k, s) for k, s in self._waiting if s is not seq]
-        if len(kept) < len(self._waiting):
-            self._dequeued(seq)
-        self._waiting = kept
+        self._waiting = [(k, s) for k, s in self._waiting if s is not seq]
         heapq.heapify(self._waiting)
 
     # ------------------------------------------------------------ planning
@@ -144,19 +127,11 @@ class Scheduler:
             else:
                 out.prefills.append((seq, n))
         # Then admit waiting sequences while the budget and the blocks allow.
-        self._admit_waiting(budget, scheduled, out)
-        self.blocked = out.is_empty and bool(self._waiting) and bool(self._holds)
-        return out
-
-    def _admit_waiting(self, budget: int, scheduled: set[int], out: SchedulerOutput) -> int:
-        """Admits waiting sequences (into ``out``) while the budget, ``max_num_seqs`` and
-        the blocks allow; returns the budget left."""
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][1]
             n = self._admit(seq, budget)
             if n:
                 heapq.heappop(self._waiting)
-                self._dequeued(seq)
             else:
                 got = self._admit_held(budget) if self._holds else None
                 if got is None:
@@ -166,7 +141,8 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= n
             out.prefills.append((seq, n))
-        return budget
+        self.blocked = out.is_empty and bool(self._waiting) and bool(self._holds)
+        return out
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Gives a waiting sequence its cached prefix and blocks for its first
@@ -213,7 +189,6 @@ class Scheduler:
             if n:
                 self._waiting.remove((key, seq))
                 heapq.heapify(self._waiting)
-                self._dequeued(seq)
                 return seq, n
         return None
 
@@ -312,7 +287,8 @@ class Scheduler:
             # cache, unreferenced), unless another turn of the trajectory is queued.
             self.remove_waiting(seq)
             tid = seq.request.trajectory_id
-            if tid is not None and tid in self._holds and tid not in self._waiting_tids:
+            if tid is not None and tid in self._holds and not any(
+                    s.request.trajectory_id == tid for _, s in self._waiting):
                 self._release_hold(tid)
         seq.block_table = []
         seq.status = SeqStatus.FINISHED
@@ -360,17 +336,6 @@ class Scheduler:
         self._release_hold(min(holds, key=lambda t: holds[t][1]))
         self.num_holds_broken += 1
         return True
-
-    def check_integrity(self) -> None:
-        """Recounts the queue's trajectories (for tests)."""
-        counts: dict[str, int] = {}
-        for _, seq in self._waiting:
-            assert seq.status is SeqStatus.WAITING, f"queued request {seq.request_id} not waiting"
-            tid = seq.request.trajectory_id
-            if tid is not None:
-                counts[tid] = counts.get(tid, 0) + 1
-        assert counts == self._waiting_tids, (
-            f"queued trajectories {self._waiting_tids} != recount {counts}")
 
     def _release_hold(self, tid: str) -> None:
         blocks, _ = self._holds.pop(tid)
