@@ -13,10 +13,11 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 __all__ = [
-    "check_output_dir", "check_output_file", "output_file_arg", "write_json", "write_text_atomic",
+    "check_output_dir", "check_output_file", "output_file_arg", "write_bytes_atomic",
+    "write_json", "write_text_atomic",
 ]
 
 
@@ -52,6 +53,15 @@ def check_output_dir(path: str | os.PathLike[str], what: str = "output folder") 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Writes ``text`` (UTF-8) to ``path`` through a temporary file in the same folder,
     renamed over ``path``: ``path`` holds either its old content or all of ``text``."""
+    _write_atomic(path, text)
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """``write_text_atomic`` for bytes (an image)."""
+    _write_atomic(path, data)
+
+
+def _write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
     p = Path(path)
     if p.is_symlink():  # the file it points to is written (the link stays a link)
         p = Path(os.path.realpath(p))
@@ -59,8 +69,10 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     # the name is cut so that the temporary's fits where the target's does (255 bytes)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name[:32]}.", suffix=".tmp", dir=p.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        f: IO[Any] = (os.fdopen(fd, "wb") if isinstance(data, bytes)
+                      else os.fdopen(fd, "w", encoding="utf-8"))
+        with f:
+            f.write(data)
             # on disk before the rename, which a crash could otherwise keep over no data
             f.flush()
             os.fsync(f.fileno())

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from war.cli.main import main
+from war.outputs import write_bytes_atomic
 from war.rollout import run as run_mod
 from war.rollout.agent import AgentConfig
-from war.rollout.report import write_bytes_atomic
 from war.rollout.run import (
     SETTINGS_FILE,
     RunConfig,

@@ -9,10 +9,7 @@ not know how the figures were produced.
 
 from __future__ import annotations
 
-import contextlib
 import io
-import os
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -22,6 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from war.engine.stats import StepRecord
+from war.outputs import write_bytes_atomic
 
 
 def _smooth(values: Sequence[float], window: int) -> list[float]:
@@ -78,24 +76,3 @@ def plot_timeline(
     write_bytes_atomic(out, image.getvalue())
     return out
 
-
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Writes ``data`` to ``path`` through a temporary file in the same folder, fsynced
-    and renamed over ``path``: ``path`` holds either its old content or all of
-    ``data``, and a failed write leaves no temporary file behind."""
-    target = Path(path)
-    if target.is_symlink():  # the file it points to is written (the link stays a link)
-        target = Path(os.path.realpath(target))
-    tmp = target.with_name(f".{target.name[:32]}.{uuid.uuid4().hex}.tmp")
-    try:
-        # (created as open() would create it: the umask applies)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
