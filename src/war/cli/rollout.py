@@ -144,14 +144,13 @@ def _earlier_run(cfg: RunConfig, console: Console, fresh: bool) -> None:
 
 def _run(cfg: RunConfig, quiet: bool, fresh: bool) -> int:
     from war.rollout.report import plot_timeline
-    from war.rollout.run import builtin_policy, check_run_paths, record_run_settings
+    from war.rollout.run import builtin_policy, check_run_paths
 
     console = make_console()
     # Where the run's files go is checked before any model is loaded: the folder, and
     # every file written at the end (a folder in the way would fail after all the work).
     check_run_paths(cfg, ("report.png", *(_PREVIOUS.values() if fresh else ())))
-    _earlier_run(cfg, console, fresh)
-    record_run_settings(cfg)
+    _earlier_run(cfg, console, fresh)  # (run_rollout records the run's settings)
     model = cfg.model or str(builtin_policy())
     console.print(f"[bold]WAR rollout[/] {cfg.name}: {cfg.steps} steps x {cfg.tasks_per_step} "
                   f"tasks x {cfg.group_size} samples, {cfg.replicas} replicas, "
