@@ -20,8 +20,8 @@ import pytest
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from http_servers import serve
 
+from loopback import serve
 from war.backends import (
     InProcessBackend,
     InstantBackend,

@@ -24,9 +24,9 @@ import orjson
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from http_servers import serve
 
 import war.aio
+from loopback import serve
 from war.backends.base import ReplicaUnavailable
 from war.backends.h1 import ConnectionClosed, Pool, Response, TransportError
 from war.backends.http import HttpChannel, WarHttpBackend

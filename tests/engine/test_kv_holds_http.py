@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import uvicorn
 from engine_helpers import tiny_model
 
+from loopback import serve
 from war.engine.async_engine import AsyncEngine
 from war.engine.config import EngineConfig
 from war.engine.engine import Engine
@@ -32,23 +30,10 @@ def serving(engine: Engine) -> Iterator[str]:
     """The engine's app on 127.0.0.1 (a free port); yields its base URL. The engine
     may be read once this exits (its thread is stopped)."""
     ae = AsyncEngine(engine)
-    app = create_app(ae, model_name="tiny")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     try:
-        deadline = time.monotonic() + 20.0
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
+        with serve(create_app(ae, model_name="tiny"), lifespan="auto", start_s=20.0) as (url, _):
+            yield url
     finally:
-        server.should_exit = True
-        thread.join(20.0)
-        sock.close()
         asyncio.run(ae.close())
 
 

@@ -11,13 +11,11 @@ and ``war serve`` + ``war route`` as processes."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -28,6 +26,7 @@ import orjson
 import pytest
 from fastapi.testclient import TestClient
 
+from loopback import serve
 from war.backends.base import CredentialsRefused, ReplicaUnavailable
 from war.backends.http import Answer, raise_for_answer
 from war.router.policies import make_policy
@@ -64,29 +63,6 @@ BODY = {"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0.0, "ignore_eos": 
 # ------------------------------------------------------------ replicas on loopback
 
 
-@contextlib.contextmanager
-def _uvicorn(app: Any) -> Iterator[int]:
-    """``app`` on a free 127.0.0.1 port in a thread (bounded start and stop); its port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = int(sock.getsockname()[1])
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                           access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            assert thread.is_alive(), "uvicorn stopped"
-            time.sleep(0.01)
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
-
-
 def _engine() -> Any:
     model = init_random(ModelConfig.from_dict(TINY), seed=0, dtype=torch.float32)
     ae = AsyncEngine(Engine(model, EngineConfig(num_kv_blocks=64, block_size=8,
@@ -101,9 +77,9 @@ def replicas() -> Iterator[list[str]]:
     ``war+http://`` specs (named r0 and r1)."""
     engines = [_engine() for _ in range(2)]
     try:
-        with _uvicorn(create_app(engines[0], model_name="tiny", api_key=KEY)) as p0, \
-                _uvicorn(create_app(engines[1], model_name="tiny", api_key=KEY)) as p1:
-            yield [f"war+http://127.0.0.1:{p0}?name=r0", f"war+http://127.0.0.1:{p1}?name=r1"]
+        with serve(create_app(engines[0], model_name="tiny", api_key=KEY)) as (u0, _), \
+                serve(create_app(engines[1], model_name="tiny", api_key=KEY)) as (u1, _):
+            yield [f"war+{u0}?name=r0", f"war+{u1}?name=r1"]
     finally:
         for ae in engines:
             asyncio.run(ae.close())
@@ -130,10 +106,9 @@ def mixed() -> Iterator[tuple[list[str], _Switch]]:
     switch = _Switch({k: create_app(engines[1], model_name="tiny", api_key=k)
                       for k in (OTHER, KEY)}, OTHER)
     try:
-        with _uvicorn(create_app(engines[0], model_name="tiny", api_key=KEY)) as p0, \
-                _uvicorn(switch) as px:
-            yield [f"war+http://127.0.0.1:{p0}?name=r0",
-                   f"war+http://127.0.0.1:{px}?name=rx"], switch
+        with serve(create_app(engines[0], model_name="tiny", api_key=KEY)) as (u0, _), \
+                serve(switch) as (ux, _):
+            yield [f"war+{u0}?name=r0", f"war+{ux}?name=rx"], switch
     finally:
         for ae in engines:
             asyncio.run(ae.close())
