@@ -341,10 +341,27 @@ def test_route_refuses_bad_specs(capsys: pytest.CaptureFixture[str]) -> None:
         assert cli_main.main(["route", "--replica", "war+http://127.0.0.1:9",
                               "--health-timeout", bad]) == 2
         assert "--health-timeout must be a finite number > 0" in capsys.readouterr().err
-    from war.cli.route import build_router
+    for bad in ("0", "-1", "inf", "nan"):
+        assert cli_main.main(["route", "--replica", "war+http://127.0.0.1:9",
+                              "--auth-retry", bad]) == 2
+        assert "--auth-retry must be a finite number > 0" in capsys.readouterr().err
+    from war.cli.route import add_route_command, build_app, build_router
 
     router = build_router(["war+http://127.0.0.1:9"], "war", health_timeout_s=0.5)
     assert router.config.health_timeout_s == 0.5
+    assert router.config.failover_in_flight and router.config.auth_retry_s == 30.0
+    # the options reach the router's settings
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_route_command(parser.add_subparsers())
+    args = parser.parse_args(["route", "--replica", "war+http://127.0.0.1:9",
+                              "--no-failover-in-flight", "--auth-retry", "2.5"])
+    app = build_app(args)
+    assert app.state.router.config.failover_in_flight is False
+    assert app.state.router.config.auth_retry_s == 2.5
+    args = parser.parse_args(["route", "--replica", "war+http://127.0.0.1:9"])
+    assert build_app(args).state.router.config.failover_in_flight is True
     with pytest.raises(SystemExit):
         cli_main.main(["route"])
     with pytest.raises(SystemExit):

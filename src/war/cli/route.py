@@ -68,6 +68,15 @@ def add_route_command(commands: Subparsers) -> None:
     p.add_argument("--health-timeout", type=float, default=5.0, metavar="S",
                    help="seconds one replica's health and load check may take before it "
                         "is marked down (replicas are checked concurrently; default: 5)")
+    p.add_argument("--no-failover-in-flight", dest="failover_in_flight",
+                   action="store_false",
+                   help="leave the requests in flight on a replica that fails its health "
+                        "check to their own timeout (default: they are cancelled and sent "
+                        "to another replica at once)")
+    p.add_argument("--auth-retry", type=float, default=30.0, metavar="S",
+                   help="seconds before a replica that refused the replica key gets a "
+                        "trial request again, where its load poll needs no key "
+                        "(default: 30)")
     p.add_argument("--max-attempts", type=int, default=4, metavar="N",
                    help="replicas tried for one request before it fails (default: 4)")
     p.add_argument("--served-model-name", default="war", metavar="NAME",
@@ -106,7 +115,8 @@ def _check_replica_key(key: str | None) -> None:
 
 def build_router(specs: list[str], policy: str, health_interval_s: float = 1.0,
                  max_attempts: int = 4, health_timeout_s: float = 5.0,
-                 replica_api_key: str | None = None) -> Router:
+                 replica_api_key: str | None = None, failover_in_flight: bool = True,
+                 auth_retry_s: float = 30.0) -> Router:
     """A router over ``make_backend(spec, api_key=replica_api_key)`` for each spec (the
     key goes to every replica as ``Authorization: Bearer``). Raises ``ValueError`` for
     a spec or setting it cannot use."""
@@ -118,7 +128,8 @@ def build_router(specs: list[str], policy: str, health_interval_s: float = 1.0,
         raise ValueError("at least one --replica is needed")
     _check_replica_key(replica_api_key)
     config = RouterConfig(max_attempts=max_attempts, health_interval_s=health_interval_s,
-                          health_timeout_s=health_timeout_s)
+                          health_timeout_s=health_timeout_s,
+                          failover_in_flight=failover_in_flight, auth_retry_s=auth_retry_s)
     backends = []
     for spec in specs:
         try:
@@ -150,13 +161,16 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     if not 0 < args.health_timeout < math.inf:
         raise ValueError(f"--health-timeout must be a finite number > 0, got "
                          f"{args.health_timeout}")
+    if not 0 < args.auth_retry < math.inf:
+        raise ValueError(f"--auth-retry must be a finite number > 0, got {args.auth_retry}")
     if args.max_attempts < 1:
         raise ValueError(f"--max-attempts must be >= 1, got {args.max_attempts}")
     bad = next((t for t in args.eos_token_id if t < 0), None)
     if bad is not None:
         raise ValueError(f"--eos-token-id must be >= 0, got {bad}")
     router = build_router(args.replica, args.policy, args.health_interval, args.max_attempts,
-                          args.health_timeout, replica_api_key(args))
+                          args.health_timeout, replica_api_key(args),
+                          args.failover_in_flight, args.auth_retry)
     api_key: str | None = args.api_key or os.environ.get("WAR_API_KEY") or None
     return create_router_app(router, api_key=api_key, eos_token_ids=args.eos_token_id,
                              model_name=args.served_model_name, manage_router=True)
