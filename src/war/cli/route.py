@@ -155,14 +155,10 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         raise ValueError(f"--port must be in [0, 65536), got {args.port}")
     if not args.host.strip():  # (it would bind every interface, as 0.0.0.0 does)
         raise ValueError("--host is empty; give an address (0.0.0.0: every interface)")
-    if not 0 < args.health_interval < math.inf:
-        raise ValueError(f"--health-interval must be a finite number > 0, got "
-                         f"{args.health_interval}")
-    if not 0 < args.health_timeout < math.inf:
-        raise ValueError(f"--health-timeout must be a finite number > 0, got "
-                         f"{args.health_timeout}")
-    if not 0 < args.auth_retry < math.inf:
-        raise ValueError(f"--auth-retry must be a finite number > 0, got {args.auth_retry}")
+    for option in ("--health-interval", "--health-timeout", "--auth-retry"):
+        value = getattr(args, option[2:].replace("-", "_"))
+        if not 0 < value < math.inf:
+            raise ValueError(f"{option} must be a finite number > 0, got {value}")
     if args.max_attempts < 1:
         raise ValueError(f"--max-attempts must be >= 1, got {args.max_attempts}")
     bad = next((t for t in args.eos_token_id if t < 0), None)
