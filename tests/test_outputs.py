@@ -152,3 +152,25 @@ def test_the_umask_is_read_without_changing_it(monkeypatch: pytest.MonkeyPatch) 
         assert got == 0o027
     finally:
         os.umask(umask)
+
+
+def test_write_json_writes_standard_json_for_non_finite_floats(tmp_path: Path) -> None:
+    target = tmp_path / "r.json"
+    nan, inf = float("nan"), float("inf")
+    write_json(target, {"p50": nan, "rows": [1.5, -inf, {"x": inf}], "t": (nan, 2), "s": "NaN"})
+    text = target.read_text()
+    assert "NaN" not in text.replace('"NaN"', "") and "Infinity" not in text
+
+    def strict(token: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {token}")
+
+    assert json.loads(text, parse_constant=strict) == {
+        "p50": None, "rows": [1.5, None, {"x": None}], "t": [None, 2], "s": "NaN"}
+
+
+def test_write_json_still_refuses_circular_objects(tmp_path: Path) -> None:
+    loop: list[object] = [float("nan")]
+    loop.append(loop)
+    with pytest.raises(ValueError, match=r"[Cc]ircular"):
+        write_json(tmp_path / "r.json", loop)
+    assert list(tmp_path.iterdir()) == []

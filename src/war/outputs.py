@@ -10,6 +10,7 @@ reports hold.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -86,8 +87,34 @@ def _write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
 
 
 def write_json(path: str | os.PathLike[str], obj: Any, indent: int | None = 1) -> None:
-    """``obj`` as JSON (and a final newline), written with ``write_text_atomic``."""
-    write_text_atomic(path, json.dumps(obj, indent=indent) + "\n")
+    """``obj`` as standard JSON (and a final newline), written with ``write_text_atomic``.
+
+    A float that is not finite (a percentile of no samples, a ratio over zero) is
+    written as ``null``: Python's ``NaN``/``Infinity`` are not JSON, and strict readers
+    (``jq``, browsers, most other languages) refuse the whole file over one of them."""
+    try:
+        text = json.dumps(obj, indent=indent, allow_nan=False)
+    except ValueError as e:  # a non-finite float somewhere: only then is the tree copied
+        if "float" not in str(e):  # a circular reference, say: not for a copy to fix
+            raise
+        text = json.dumps(_finite_or_none(obj), indent=indent, allow_nan=False)
+    write_text_atomic(path, text + "\n")
+
+
+def _finite_or_none(obj: Any, path: frozenset[int] = frozenset()) -> Any:
+    """``obj`` with every non-finite float replaced by ``None`` (dicts, lists and tuples
+    rebuilt; anything else returned as is, for ``json.dumps`` to judge). A container
+    inside itself raises ``ValueError``, as ``json.dumps`` does."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict | list | tuple):
+        if id(obj) in path:
+            raise ValueError("Circular reference detected")
+        inner = path | {id(obj)}
+        if isinstance(obj, dict):
+            return {k: _finite_or_none(v, inner) for k, v in obj.items()}
+        return [_finite_or_none(v, inner) for v in obj]
+    return obj
 
 
 def _umask() -> int:
