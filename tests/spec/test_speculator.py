@@ -346,6 +346,9 @@ def test_bad_ids_and_budgets_change_nothing() -> None:
         (lambda: s.start(True, [1]), "sequence id"),
         (lambda: s.start(2**64, [1]), "int64"),
         (lambda: s.start(2, [1], group_id=["unhashable"]), "hashable"),
+        (lambda: s.start(2, [1], group_id=float("nan")), "NaN"),
+        (lambda: s.start(2, [1], group_id=("task", (float("nan"),))), "NaN"),
+        (lambda: s.add_history([1, 2], group_id=float("nan")), "NaN"),
         (lambda: s.observe_step(-1), "backwards"),
     ]
     for call, message in cases:

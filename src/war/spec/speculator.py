@@ -364,3 +364,15 @@ def _check_group(group_id: object) -> None:
         hash(group_id)
     except TypeError:
         raise ValueError(f"group id must be hashable, got {type(group_id).__name__}") from None
+    if _holds_nan(group_id):
+        # NaN is not equal to itself: each NaN object would be a group of its own, and a
+        # sample of the same task would silently draft without its siblings' history
+        raise ValueError(f"group id must not be or hold NaN, got {group_id!r}")
+
+
+def _holds_nan(value: object) -> bool:
+    if isinstance(value, float | complex):
+        return value != value
+    if isinstance(value, tuple | frozenset):
+        return any(_holds_nan(v) for v in value)
+    return False
