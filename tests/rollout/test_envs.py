@@ -471,3 +471,151 @@ def test_sqlite_names_an_sql_error_that_mentions_interrupted_as_such() -> None:
                "SELECT COUNT(*) FROM c")
     assert env.call_tool("query", {"sql": endless}) == "error: query took longer than 0.2 s"
     env.close()
+
+
+class BlockingEnv(ToolEnv):
+    """A test environment whose ``wait`` tool blocks on an event (past any small timeout)
+    and whose ``echo`` tool counts how often, and how concurrently, it runs."""
+
+    name = "blocking"
+
+    def __init__(self, config: ToolEnvConfig | None = None) -> None:
+        super().__init__(config)
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.echoes = 0
+        self.active = 0
+        self.most_active = 0
+        self.teardowns = 0
+
+    def system_prompt(self) -> str:
+        return "Test tools."
+
+    def tools(self) -> list[ToolSpec]:
+        return [ToolSpec.build("wait", "Wait."), ToolSpec.build("echo", "Echo.")]
+
+    def _handlers(self) -> Mapping[str, Callable[..., str]]:
+        def wait() -> str:
+            self._enter()
+            self.entered.set()
+            try:
+                self.release.wait(10)
+                return "waited"
+            finally:
+                self.active -= 1
+
+        def echo() -> str:
+            self._enter()
+            self.echoes += 1
+            time.sleep(0.02)
+            self.active -= 1
+            return "echo"
+
+        return {"wait": wait, "echo": echo}
+
+    def _enter(self) -> None:
+        self.active += 1
+        self.most_active = max(self.most_active, self.active)
+
+    def _build(self, task: Task) -> None:
+        pass
+
+    def _teardown(self) -> None:
+        self.teardowns += 1
+
+
+def _until(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+_BLOCKING_TASK = Task("b-0", "blocking", "Wait.", "waited")
+
+
+def test_a_call_while_a_timed_out_one_still_runs_is_refused_at_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    env = BlockingEnv(ToolEnvConfig(timeout_s=0.05))
+    env.reset(_BLOCKING_TASK)
+    try:
+        assert env.running_tool is None
+        with caplog.at_level("WARNING", logger="war.rollout.envs.base"):
+            assert env.call_tool("wait", {}) == "error: tool wait timed out after 0.05 s"
+        assert env.running_tool == "wait"
+        assert "tool wait timed out after 0.05 s and still runs" in caplog.text
+        worker = next(t for t in threading.enumerate() if t.name == "war-tool-wait")
+        assert worker.daemon  # (the process can exit while it runs)
+        start = time.monotonic()
+        out = env.call_tool("echo", {})
+        assert time.monotonic() - start < 0.5  # neither blocked nor waited a deadline
+        assert out.startswith("error: previous tool call wait still running after its "
+                              "timeout of 0.05 s"), out
+        assert out.endswith("tool echo was not run")
+        assert env.echoes == 0  # not run beside it
+        env.release.set()
+        assert _until(lambda: env.running_tool is None)
+        assert _until(lambda: "tool wait returned" in caplog.text)
+        assert env.call_tool("echo", {}) == "echo"
+        assert env.echoes == 1 and env.most_active == 1
+    finally:
+        env.release.set()
+        env.close()
+
+
+def test_close_does_not_hang_on_a_timed_out_call(caplog: pytest.LogCaptureFixture) -> None:
+    env = BlockingEnv(ToolEnvConfig(timeout_s=0.05))
+    env.close_wait_s = 0.1
+    env.reset(_BLOCKING_TASK)
+    try:
+        assert env.call_tool("wait", {}).startswith("error: tool wait timed out")
+        start = time.monotonic()
+        with caplog.at_level("WARNING", logger="war.rollout.envs.base"):
+            env.close()
+        assert time.monotonic() - start < 2.0 and env.teardowns >= 2  # (reset's and this)
+        assert "closing while tool wait still runs" in caplog.text
+        # reset again: the abandoned call still holds the environment's state
+        env.reset(_BLOCKING_TASK)
+        assert env.call_tool("echo", {}).startswith("error: previous tool call wait")
+        env.release.set()
+        assert _until(lambda: env.running_tool is None)
+        assert env.call_tool("echo", {}) == "echo"
+    finally:
+        env.release.set()
+        env.close()
+
+
+def test_close_waits_for_a_timed_out_call_that_returns_soon() -> None:
+    env = BlockingEnv(ToolEnvConfig(timeout_s=0.05))
+    env.close_wait_s = 5.0
+    env.reset(_BLOCKING_TASK)
+    assert env.call_tool("wait", {}).startswith("error: tool wait timed out")
+    timer = threading.Timer(0.1, env.release.set)
+    timer.start()
+    start = time.monotonic()
+    env.close()  # returns once the call does, not after close_wait_s
+    assert time.monotonic() - start < 4.0 and env.running_tool is None
+    timer.join(5)
+
+
+def test_calls_from_two_threads_run_one_at_a_time() -> None:
+    env = BlockingEnv(ToolEnvConfig(timeout_s=5.0))
+    env.reset(_BLOCKING_TASK)
+    outs: list[str] = []
+    waiting = threading.Thread(target=lambda: outs.append(env.call_tool("wait", {})))
+    waiting.start()
+    try:
+        assert env.entered.wait(5)
+        echoing = threading.Thread(target=lambda: outs.append(env.call_tool("echo", {})))
+        echoing.start()
+        echoing.join(0.1)
+        assert echoing.is_alive() and env.echoes == 0  # waits for the call within its deadline
+        env.release.set()
+        waiting.join(5)
+        echoing.join(5)
+        assert sorted(outs) == ["echo", "waited"] and env.most_active == 1
+    finally:
+        env.release.set()
+        env.close()

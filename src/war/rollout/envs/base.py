@@ -12,15 +12,21 @@ Does not know: chat templates, tokenization, parsing the policy's tool calls (th
 ``war.rollout.toolcalls``), the agent loop, scripted experts (``expert.py``) or any particular
 environment. A tool that ignores its deadline keeps running in its daemon thread after the
 timeout (Python threads cannot be killed), so tools bound their own work as well (sqlite: a
-progress handler; files: size limits); calls to one environment run one at a time.
+progress handler; files: size limits); calls to one environment run one at a time. While a
+timed-out call still runs, the environment says so (``ToolEnv.running_tool``, a warning in the
+log) and every further call is answered at once with an ``"error: previous tool call ... still
+running"`` observation, neither waiting for it nor running beside it; ``close`` waits for it a
+bounded time (``ToolEnv.close_wait_s``), then frees the state anyway.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -33,6 +39,8 @@ JSON_TYPES: Mapping[str, tuple[type, ...]] = MappingProxyType(
 )
 _TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TASK_KEYS = ("task_id", "env", "prompt", "answer", "data")
+
+log = logging.getLogger(__name__)
 
 
 def _frozen_json(value: Any, what: str) -> Any:
@@ -204,19 +212,39 @@ def truncate(text: str, limit: int) -> str:
     return f"{text[:limit]}\n[... truncated {len(text) - limit} chars]"
 
 
+@dataclass
+class _ToolCall:
+    """A tool call whose handler runs now; ``timed_out`` once its caller stopped waiting."""
+
+    name: str
+    started: float
+    timed_out: bool = False
+
+
 class ToolEnv:
     """Base of tool environments. Subclasses set ``name``, implement ``system_prompt``,
     ``tools``, ``_handlers`` (tool name -> callable taking the validated arguments as keywords
-    and returning text), ``_build(task)`` and, if they hold resources, ``_teardown()``."""
+    and returning text), ``_build(task)`` and, if they hold resources, ``_teardown()``.
+
+    Tool calls run one at a time: a call from another thread waits for the one running (at
+    most that call's deadline). A call that timed out but whose handler still runs holds the
+    environment: later calls return ``"error: previous tool call ... still running ..."`` at
+    once (not run) until it returns; ``close`` waits ``close_wait_s`` for it, no longer."""
 
     name: str = ""
+    close_wait_s: float = 1.0
+    """How long ``close`` (and so ``reset``) waits for a timed-out tool call that still runs
+    before it frees the state anyway (the abandoned call may then fail; its output is
+    dropped)."""
 
     def __init__(self, config: ToolEnvConfig | None = None) -> None:
         if config is not None and not isinstance(config, ToolEnvConfig):
             raise ValueError(f"config must be a ToolEnvConfig, got {type(config).__name__}")
         self.config = config if config is not None else ToolEnvConfig()
         self._task: Task | None = None
-        self._lock = threading.Lock()
+        # the tool call whose handler runs now (None: none), guarded by _calls
+        self._calls = threading.Condition()
+        self._running: _ToolCall | None = None
         # reset and close each run whole: a close from another thread (an episode cancelled
         # while its reset runs in a worker thread) must not miss what the reset builds.
         self._state_lock = threading.RLock()
@@ -254,32 +282,72 @@ class ToolEnv:
             self._task = task
         return task.prompt
 
+    @property
+    def running_tool(self) -> str | None:
+        """The name of the tool call that timed out and still runs (it holds the
+        environment: further calls are refused until it returns), or ``None``."""
+        with self._calls:
+            call = self._running
+            return call.name if call is not None and call.timed_out else None
+
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
         """Run one tool; ToolError for an unknown tool or bad arguments, otherwise the bounded
-        output text (failures and timeouts inside the tool become ``"error: ..."``)."""
+        output text (failures and timeouts inside the tool become ``"error: ..."``, and so
+        does a call made while an earlier one that timed out still runs: it is not run)."""
         _ = self.task  # ValueError before reset
         specs = {spec.name: spec for spec in self.tools()}
         if name not in specs:
             raise ToolError(f"unknown tool {name!r} (available: {', '.join(specs)})")
         args = validate_arguments(specs[name], arguments)
         handler = self._handlers()[name]
+        timeout = self.config.timeout_s
+        with self._calls:
+            # Another thread's call within its deadline: wait for it (its caller marks
+            # it timed out, and wakes us, once the deadline passes). A timed-out one: no.
+            self._calls.wait_for(lambda: self._running is None or self._running.timed_out)
+            if self._running is not None:
+                busy = self._running
+                return (f"error: previous tool call {busy.name} still running after its "
+                        f"timeout of {timeout or 0:g} s ({time.monotonic() - busy.started:.1f} s "
+                        f"in); tool {name} was not run")
+            call = self._running = _ToolCall(name, time.monotonic())
         box: list[str] = []
 
         def work() -> None:
-            with self._lock:
-                try:
-                    box.append(str(handler(**args)))
-                except Exception as exc:  # every failure inside a tool is an observation
-                    box.append(f"error: {exc}" if str(exc) else f"error: {type(exc).__name__}")
+            try:
+                box.append(str(handler(**args)))
+            except Exception as exc:  # every failure inside a tool is an observation
+                box.append(f"error: {exc}" if str(exc) else f"error: {type(exc).__name__}")
+            finally:
+                with self._calls:
+                    if self._running is call:
+                        self._running = None
+                    self._calls.notify_all()
+                if call.timed_out:
+                    log.warning("environment %s: tool %s returned %.1f s after it started, "
+                                "past its timeout of %g s; its output was dropped", self.name,
+                                name, time.monotonic() - call.started, timeout or 0)
 
-        if self.config.timeout_s is None:
+        if timeout is None:
             work()
         else:
             worker = threading.Thread(target=work, name=f"war-tool-{name}", daemon=True)
-            worker.start()
-            worker.join(self.config.timeout_s)
-            if not box and worker.is_alive():
-                return f"error: tool {name} timed out after {self.config.timeout_s:g} s"
+            try:
+                worker.start()
+            except BaseException:  # (no thread to run it: the environment is free again)
+                with self._calls:
+                    self._running = None
+                    self._calls.notify_all()
+                raise
+            worker.join(timeout)
+            with self._calls:
+                if not box and self._running is call:  # (still running: abandoned)
+                    call.timed_out = True
+                    self._calls.notify_all()
+                    log.warning("environment %s: tool %s timed out after %g s and still "
+                                "runs (threads cannot be stopped); further calls are refused "
+                                "until it returns", self.name, name, timeout)
+                    return f"error: tool {name} timed out after {timeout:g} s"
         if not box:
             return f"error: tool {name} crashed"
         return truncate(box[0], self.config.max_output_chars)
@@ -290,7 +358,17 @@ class ToolEnv:
 
     def close(self) -> None:
         """Free the task's resources; the environment can be ``reset`` again. Called from
-        another thread during a ``reset``, it waits for the reset and frees what it built."""
+        another thread during a ``reset``, it waits for the reset and frees what it built.
+        A timed-out tool call that still runs is waited for ``close_wait_s`` at most; then
+        the resources are freed anyway, with a warning (that call may fail; its output is
+        dropped, and further calls are refused until it returns)."""
+        with self._calls:
+            if not self._calls.wait_for(lambda: self._running is None, self.close_wait_s):
+                call = self._running
+                assert call is not None
+                log.warning("environment %s: closing while tool %s still runs %.1f s after "
+                            "it started (it timed out); its state is freed under it",
+                            self.name, call.name, time.monotonic() - call.started)
         with self._state_lock:
             self._task = None
             self._teardown()
