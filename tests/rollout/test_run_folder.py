@@ -20,6 +20,7 @@ from war.cli.main import main
 from war.outputs import write_bytes_atomic
 from war.rollout import run as run_mod
 from war.rollout.agent import AgentConfig
+from war.rollout.fingerprint import model_fingerprint
 from war.rollout.run import (
     SETTINGS_FILE,
     RunConfig,
@@ -71,6 +72,7 @@ def test_the_settings_file_records_what_determines_trajectories(
     assert recorded == trajectory_settings(load_run_config(config))
     assert recorded == {
         "format": 1, "model": str(random_policy.resolve()),
+        "model_fingerprint": model_fingerprint(random_policy),
         "envs": ["calculator", "sqlite", "files"], "task_pool": 4, "tasks_per_step": 2,
         "group_size": 1, "seed": 0,
         "agent": {"max_turns": 1, "max_tokens_per_turn": 4, "max_total_tokens": 2048,

@@ -5,7 +5,9 @@ tokens generated, current speculation budget per replica), the summary table,
 where the run's files go, and what becomes of an earlier run's trajectories in the
 same folder (``war demo`` moves them aside and starts afresh; ``war rollout`` resumes,
 reusing them, and says so, or refuses before any work when the earlier run's
-trajectories were made under other settings). Does not know how a step runs
+trajectories were made under other settings or model weights; a refused start removes
+the run folder again when it created it and it is still empty). Does not know how a
+step runs
 (``war.rollout.run``).
 """
 
@@ -143,6 +145,15 @@ def _earlier_run(cfg: RunConfig, console: Console, fresh: bool) -> None:
 
 
 def _run(cfg: RunConfig, quiet: bool, fresh: bool) -> int:
+    from war.rollout.run import removing_created_folder
+
+    # A start refused before anything is written (the settings, the model) removes the
+    # run folder again if this run created it; a folder that was there stays.
+    with removing_created_folder(cfg):
+        return _run_in_folder(cfg, quiet, fresh)
+
+
+def _run_in_folder(cfg: RunConfig, quiet: bool, fresh: bool) -> int:
     from war.rollout.report import plot_timeline
     from war.rollout.run import builtin_policy, check_run_paths
 

@@ -7,18 +7,22 @@ built (one engine thread each), the figures of each step: makespan,
 throughput, tokens/step, acceptance, prefix-cache hit rate, reward, and the run
 folder's files: which settings determine its trajectories (recorded in
 ``run_settings.json`` when a run starts, so that a resume under other settings is
-refused instead of mixing data), and checking up front that every file the run
-writes at its end can be written. Does not know progress bars or plots
+refused instead of mixing data; the model by its folder and its weights' fingerprint,
+``fingerprint.py``), checking up front that every file the run writes at its end can be
+written, and removing again the folders a refused start created (still empty). Does not
+know progress bars or plots
 (``war.cli``, ``report.py``), nor the engine's internals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import random
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,7 @@ from war.outputs import check_output_dir, check_output_file, write_json
 from war.rollout.agent import AgentConfig, PolicyIO
 from war.rollout.driver import RolloutConfig, run_step_async, trajectory_id
 from war.rollout.envs import Task, names, sample_tasks
+from war.rollout.fingerprint import model_fingerprint
 from war.rollout.limits import MAX_REPLICAS, MAX_TORCH_THREADS
 from war.rollout.trajectory import Trajectory, write_parquet
 from war.spec.config import SpecConfig
@@ -273,13 +278,29 @@ def run_folder(cfg: RunConfig) -> Path:
     return Path(cfg.output_dir) / cfg.name
 
 
+FINGERPRINT_KEY = "model_fingerprint"
+
+
+def run_model_fingerprint(cfg: RunConfig) -> str | None:
+    """``fingerprint.model_fingerprint`` of the run's model folder (the built-in
+    policy's for ``model: null``); ``None`` when there is nothing to fingerprint (the
+    folder is missing or holds no model files: loading it fails, saying why)."""
+    if cfg.model is not None:
+        return model_fingerprint(cfg.model)
+    try:
+        return model_fingerprint(builtin_policy())
+    except ValueError:  # (not built: the run says so when it loads it)
+        return None
+
+
 def trajectory_settings(cfg: RunConfig) -> dict[str, Any]:
     """The settings that determine what the run's trajectories hold, as JSON values:
-    the policy (``model``, its folder made absolute; ``null`` for the built-in one, and
-    the weights' ``engine.dtype``), the tasks (``envs``, ``task_pool``,
-    ``tasks_per_step``, ``seed``), the groups (``group_size``), how each episode is
-    sampled and cut (``agent``: turns, token limits, temperature, top_p, top_k) and the
-    context cap (``engine.max_model_len``).
+    the policy (``model``, its folder made absolute; ``null`` for the built-in one;
+    ``model_fingerprint``, a content fingerprint of that folder's config, tokenizer and
+    weights, ``run_model_fingerprint``; and the weights' ``engine.dtype``), the tasks
+    (``envs``, ``task_pool``, ``tasks_per_step``, ``seed``), the groups
+    (``group_size``), how each episode is sampled and cut (``agent``: turns, token
+    limits, temperature, top_p, top_k) and the context cap (``engine.max_model_len``).
 
     Not in it, since they change how fast trajectories are made but not what they
     hold: ``steps`` (a resumed run may do more or fewer), ``replicas``,
@@ -290,6 +311,7 @@ def trajectory_settings(cfg: RunConfig) -> dict[str, Any]:
     return {
         "format": SETTINGS_FORMAT,
         "model": None if cfg.model is None else str(Path(cfg.model).resolve()),
+        FINGERPRINT_KEY: run_model_fingerprint(cfg),
         "envs": list(cfg.envs),
         "task_pool": cfg.task_pool or 2 * cfg.tasks_per_step,
         "tasks_per_step": cfg.tasks_per_step,
@@ -369,27 +391,56 @@ def check_run_settings(cfg: RunConfig) -> None:
     """Raises ValueError, naming each setting that differs (old -> new), when the run's
     folder holds trajectories written under other ``trajectory_settings``: resuming
     would reuse them, mixing two runs' data. A folder without trajectories, or
-    without recorded settings (a run older than ``run_settings.json``), passes."""
+    without recorded settings (a run older than ``run_settings.json``), passes.
+
+    The model is compared by its fingerprint where both runs have one: a different
+    fingerprint is refused (the folder's weights changed, say a new checkpoint written
+    in place, even at the same path), the same fingerprint passes even from another
+    path (the same weights, moved or copied). Where either has none (settings recorded
+    before the fingerprint existed, or a folder with nothing to fingerprint) the model
+    is compared by its path alone, as before."""
+    _check_settings(cfg, trajectory_settings(cfg))
+
+
+def _check_settings(cfg: RunConfig, new: Mapping[str, Any]) -> None:
     if not _has_trajectories(cfg):
         return
     old = read_run_settings(cfg)
     if old is None:
         return
-    changes = settings_changes(old, trajectory_settings(cfg))
+    old_fp, new_fp = old.get(FINGERPRINT_KEY), new.get(FINGERPRINT_KEY)
+    a = {k: v for k, v in old.items() if k != FINGERPRINT_KEY}
+    b = {k: v for k, v in new.items() if k != FINGERPRINT_KEY}
+    both = old_fp is not None and new_fp is not None
+    if both and old_fp == new_fp:  # the same weights: where they are is no matter
+        a.pop("model", None)
+        b.pop("model", None)
+    changes = settings_changes(a, b)
+    folder = run_folder(cfg)
+    how = (f"use a new run folder (another name or output_dir), or delete "
+           f"{folder / TRAJECTORIES_FILE} to start afresh")
+    if both and old_fp != new_fp:
+        model = b.get("model") or "the built-in policy"
+        more = f"; and other settings differ: {'; '.join(changes)}" if changes else ""
+        raise ValueError(
+            f"{folder} holds trajectories made by other model weights than this run's: "
+            f"{FINGERPRINT_KEY}: {json.dumps(old_fp)} -> {json.dumps(new_fp)} (model "
+            f"{model}; recorded in {folder / SETTINGS_FILE}){more}. The model folder's "
+            f"config, tokenizer or weights changed since (a new checkpoint written in "
+            f"place?), and resuming would mix two policies' trajectories: point model at "
+            f"the weights those trajectories were made with to resume, or {how}")
     if changes:
-        folder = run_folder(cfg)
         raise ValueError(
             f"{folder} holds trajectories of a run with other settings, which resuming "
             f"would mix with this run's: {'; '.join(changes)} "
-            f"(recorded in {folder / SETTINGS_FILE}); use a new run folder (another "
-            f"name or output_dir), or delete {folder / TRAJECTORIES_FILE} to start afresh")
+            f"(recorded in {folder / SETTINGS_FILE}); {how}")
 
 
 def record_run_settings(cfg: RunConfig) -> None:
     """``check_run_settings``, then records the run's ``trajectory_settings`` in
     ``run_settings.json`` (atomically; not rewritten when it already says so)."""
-    check_run_settings(cfg)
     settings = trajectory_settings(cfg)
+    _check_settings(cfg, settings)
     path = run_folder(cfg) / SETTINGS_FILE
     try:
         same = read_run_settings(cfg) == settings
@@ -397,6 +448,34 @@ def record_run_settings(cfg: RunConfig) -> None:
         same = False
     if not same:
         write_json(path, settings, indent=2)
+
+
+@contextlib.contextmanager
+def removing_created_folder(cfg: RunConfig) -> Iterator[None]:
+    """Runs the body; when it raises, removes again the folders of the run's path
+    (``output_dir/name`` and those above it) that did not exist before it and are
+    still empty: a refused start (bad settings, a settings or model mismatch, a model
+    that does not load) leaves no empty run folder behind. A folder that existed
+    before (the user's, or a resumed run's) is never removed, nor one that holds
+    anything."""
+    created: list[Path] = []
+    folder = run_folder(cfg)
+    for d in (folder, *folder.parents):
+        try:
+            if os.path.lexists(d):
+                break
+        except (OSError, ValueError):
+            break
+        created.append(d)
+    try:
+        yield
+    except BaseException:
+        for d in created:  # (deepest first; rmdir removes only an empty folder)
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
 
 
 def check_run_paths(cfg: RunConfig, extra: Sequence[str] = ()) -> Path:
@@ -501,10 +580,20 @@ async def run_rollout(
 ) -> RunResult:
     """Runs ``cfg.steps`` synchronous steps; writes trajectories (JSONL as they
     finish, Parquet at the end) and ``summary.json`` under ``output_dir/name``."""
+    with removing_created_folder(cfg):  # (a refused start leaves no empty folder)
+        return await _run_rollout(cfg, on_done, on_step, replicas)
+
+
+async def _run_rollout(
+    cfg: RunConfig,
+    on_done: Callable[[Trajectory], None] | None,
+    on_step: Callable[[int, list[Task]], None] | None,
+    replicas: Mapping[str, AsyncEngine] | None,
+) -> RunResult:
     # Before any model is loaded or trajectory generated: every file the run writes
     # can be written, and the folder's trajectories (if any) are of these settings.
     run_dir = check_run_paths(cfg)
-    record_run_settings(cfg)
+    check_run_settings(cfg)
     model_dir = Path(cfg.model) if cfg.model else builtin_policy()
     io = PolicyIO.from_folder(model_dir)
     own = replicas is None
@@ -513,6 +602,9 @@ async def run_rollout(
     bounds: list[tuple[float, float]] = []
     every: list[Trajectory] = []
     try:
+        # (recorded once the model loads, so that a model that does not load leaves
+        # nothing; checked again: the fingerprint is of the weights as they are now)
+        record_run_settings(cfg)
         # (in the try: a replica that fails to start, or a task pool that cannot be
         # drawn, must not leave the replicas already started running)
         for r in reps.values():
