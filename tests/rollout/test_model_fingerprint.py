@@ -128,6 +128,13 @@ def test_no_fingerprint_without_model_files(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- resuming
 
 
+def _assert_resumes(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``war rollout config`` succeeds, saying it resumes the folder's run."""
+    capsys.readouterr()
+    assert _run(config) == 0
+    assert "resuming" in " ".join(capsys.readouterr().out.split())
+
+
 def test_same_weights_same_path_resumes(
         tmp_path: Path, policy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = _write_config(tmp_path, policy)
@@ -135,9 +142,7 @@ def test_same_weights_same_path_resumes(
     settings = tmp_path / "runs" / "r" / SETTINGS_FILE
     recorded = json.loads(settings.read_text())
     assert recorded["model_fingerprint"] == model_fingerprint(policy) is not None
-    capsys.readouterr()
-    assert _run(config) == 0
-    assert "resuming" in " ".join(capsys.readouterr().out.split())
+    _assert_resumes(config, capsys)
     assert json.loads(settings.read_text()) == recorded
 
 
@@ -145,9 +150,7 @@ def test_same_weights_at_another_path_resume(
         tmp_path: Path, policy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert _run(_write_config(tmp_path, policy)) == 0
     moved = policy.rename(tmp_path / "moved-policy")
-    capsys.readouterr()
-    assert _run(_write_config(tmp_path, moved)) == 0
-    assert "resuming" in " ".join(capsys.readouterr().out.split())
+    _assert_resumes(_write_config(tmp_path, moved), capsys)
     recorded = json.loads((tmp_path / "runs" / "r" / SETTINGS_FILE).read_text())
     assert recorded["model"] == str(moved.resolve())  # (where the weights are now)
 
@@ -192,9 +195,7 @@ def test_an_old_settings_file_without_a_fingerprint_resumes(
     old = json.loads(settings.read_text())
     del old["model_fingerprint"]  # as a run before the field existed wrote it
     settings.write_text(json.dumps(old, indent=2))
-    capsys.readouterr()
-    assert _run(config) == 0
-    assert "resuming" in " ".join(capsys.readouterr().out.split())
+    _assert_resumes(config, capsys)
     # from now on it records the fingerprint
     assert json.loads(settings.read_text())["model_fingerprint"] == model_fingerprint(policy)
 
