@@ -135,6 +135,13 @@ class WarHttpBackend:
     async def health(self) -> bool:
         return await self._http.health("/health")
 
+    async def models(self) -> Any:
+        """The replica's ``GET /v1/models`` answer (JSON), a probe bounded by the health
+        timeout; the backend errors as for any call (``ReplicaUnavailable`` when it does
+        not answer, ``CredentialsRefused`` for a refused key)."""
+        return await self._http.get_json("/v1/models", self.name,
+                                         timeout_s=self._http.health_timeout_s)
+
     async def add_history(self, items: Sequence[tuple[Sequence[int], str | None]]) -> None:
         payload = [{"token_ids": [int(t) for t in ids], "group_id": group}
                    for ids, group in items if len(ids) > 0]

@@ -1,7 +1,8 @@
-"""`war demo` and `war rollout`: synchronous RL steps over local replicas.
+"""`war demo` and `war rollout`: synchronous RL steps over local replicas (or, for
+``war rollout``, over ``war serve`` endpoints: ``--endpoint``, ``endpoints:``).
 
 Knows: the commands' options, the live progress display (trajectories done,
-tokens generated, current speculation budget per replica), the summary table,
+tokens generated, current speculation budget per replica or endpoint), the summary table,
 where the run's files go, and what becomes of an earlier run's trajectories in the
 same folder (``war demo`` moves them aside and starts afresh; ``war rollout`` resumes,
 reusing them, and says so, or refuses before any work when the earlier run's
@@ -16,9 +17,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -31,8 +32,10 @@ from war.rollout.limits import MAX_REPLICAS
 if TYPE_CHECKING:  # the run's modules import torch: only when a command runs
     from war.engine.async_engine import AsyncEngine
     from war.rollout.envs import Task
+    from war.rollout.remote import Endpoint
     from war.rollout.run import RunConfig, RunResult
     from war.rollout.trajectory import Trajectory
+    from war.types import ReplicaLoad
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
@@ -50,6 +53,10 @@ def add_demo_command(commands: Subparsers) -> None:
 def add_rollout_command(commands: Subparsers) -> None:
     p = commands.add_parser("rollout", help="RL rollout steps as a config file describes")
     p.add_argument("--config", required=True, help="YAML or JSON file (see docs/rollout.md)")
+    p.add_argument("--endpoint", action="append", dest="endpoints", metavar="URL",
+                   help="a war serve replica to run on instead of local replicas "
+                        "(repeat for each; replaces the config's endpoints; the key sent "
+                        "is $WAR_REPLICA_API_KEY)")
     _add_common(p)
     p.set_defaults(run=run_rollout_command)
 
@@ -86,7 +93,16 @@ def _config(args: argparse.Namespace, base: RunConfig) -> RunConfig:
     changes = {k: getattr(args, k) for k in ("steps", "tasks_per_step", "group_size",
                                              "replicas", "output_dir", "name", "seed")
                if getattr(args, k, None) is not None}
+    if getattr(args, "endpoints", None):
+        changes["endpoints"] = tuple(args.endpoints)
     cfg = dataclasses.replace(base, **changes)
+    if cfg.remote:
+        local = [flag for flag, key in (("--replicas", "replicas"), ("--spec-mode", "spec_mode"))
+                 if getattr(args, key, None) is not None]
+        if local:
+            raise ValueError(f"{' and '.join(local)} set a run's local replicas; this run is "
+                             "on endpoints (their engines are set where they run: war serve)")
+        return cfg
     if args.spec_mode is not None:
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
                                                                   spec_mode=args.spec_mode))
@@ -163,25 +179,34 @@ def _run_in_folder(cfg: RunConfig, quiet: bool, fresh: bool) -> int:
     check_run_paths(cfg, ("report.png", *(_PREVIOUS.values() if fresh else ())))
     _earlier_run(cfg, console, fresh)  # (run_rollout records the run's settings)
     model = cfg.model or str(builtin_policy())
+    where = (f"{len(cfg.endpoints)} endpoints, routing {cfg.routing_policy or 'war'}"
+             if cfg.remote else f"{cfg.replicas} replicas, spec {cfg.engine.spec_mode}")
     console.print(f"[bold]WAR rollout[/] {cfg.name}: {cfg.steps} steps x {cfg.tasks_per_step} "
-                  f"tasks x {cfg.group_size} samples, {cfg.replicas} replicas, "
-                  f"spec {cfg.engine.spec_mode}, model {model}")
+                  f"tasks x {cfg.group_size} samples, {where}, model {model}")
     result = aio.run(_run_with_progress(cfg, console, quiet))
     console.print(summary_table(result))
+    note = ("engine steps are recorded where the endpoints run (war serve's /metrics)"
+            if cfg.remote else "no engine steps in this run")
     png = plot_timeline(result.timelines, result.step_bounds, result.run_dir / "report.png",
-                        title=f"WAR rollout {cfg.name}")
+                        title=f"WAR rollout {cfg.name}", empty_note=note)
     console.print(f"trajectories: {result.run_dir / 'trajectories.jsonl'} (and .parquet); "
                   f"report: {png}; summary: {result.run_dir / 'summary.json'}")
     return 0
 
 
 async def _run_with_progress(cfg: RunConfig, console: Console, quiet: bool) -> RunResult:
+    from war.rollout.agent import PolicyIO
     from war.rollout.driver import reusable, trajectory_id
-    from war.rollout.run import builtin_policy, make_replicas, run_rollout
+    from war.rollout.remote import close_all
+    from war.rollout.run import builtin_policy, connect_endpoints, make_replicas, run_rollout
 
     output = Path(cfg.output_dir) / cfg.name / "trajectories.jsonl"  # (as run_rollout's)
     model_dir = Path(cfg.model) if cfg.model else builtin_policy()
-    replicas = make_replicas(cfg, model_dir)
+    replicas: dict[str, Any]
+    if cfg.remote:  # (connected before the bars: a refused endpoint is one error line)
+        replicas = dict(await connect_endpoints(cfg, PolicyIO.from_folder(model_dir)))
+    else:
+        replicas = dict(make_replicas(cfg, model_dir))
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
@@ -207,7 +232,11 @@ async def _run_with_progress(cfg: RunConfig, console: Console, quiet: bool) -> R
 
     async def refresh() -> None:
         while True:
-            progress.update(bar, info=_live_info(replicas, tokens))
+            if cfg.remote:
+                info = await _remote_info(replicas, tokens)
+            else:
+                info = _live_info(replicas, tokens)
+            progress.update(bar, info=info)
             await asyncio.sleep(0.5)
 
     with progress:
@@ -216,17 +245,36 @@ async def _run_with_progress(cfg: RunConfig, console: Console, quiet: bool) -> R
             return await run_rollout(cfg, on_done=on_done, on_step=on_step, replicas=replicas)
         finally:
             ticker.cancel()
-            for r in replicas.values():
-                await r.close()
+            if cfg.remote:
+                await close_all(replicas)
+            else:
+                for r in replicas.values():
+                    await r.close()
 
 
-def _live_info(replicas: dict[str, AsyncEngine], tokens: int) -> str:
+def _live_info(replicas: Mapping[str, AsyncEngine], tokens: int) -> str:
+    return _info_line(tokens, {name: r.load() for name, r in replicas.items()})
+
+
+def _info_line(tokens: int, loads: Mapping[str, ReplicaLoad | None]) -> str:
     parts = [f"{tokens} tokens"]
-    for name, r in replicas.items():
-        load = r.load()
-        parts.append(f"{name}: {load.num_running} running, "
+    for name, load in loads.items():
+        parts.append(f"{name}: ?" if load is None else
+                     f"{name}: {load.num_running} running, "
                      f"budget {load.spec_tokens_per_seq:.1f} tok/seq")
     return " | ".join(parts)
+
+
+async def _remote_info(endpoints: Mapping[str, Endpoint], tokens: int) -> str:
+    """The progress line of a run on endpoints: each one's ``/v1/load`` (``?`` where it
+    does not answer within a second: the bar never waits on a server)."""
+    async def one(e: Endpoint) -> ReplicaLoad | None:
+        try:
+            return await asyncio.wait_for(e.load(), 1.0)
+        except Exception:  # (down, slow or refusing: the run itself says so if it matters)
+            return None
+    loads = await asyncio.gather(*(one(e) for e in endpoints.values()))
+    return _info_line(tokens, dict(zip(endpoints, loads, strict=True)))
 
 
 def summary_table(result: RunResult) -> Table:

@@ -37,8 +37,10 @@ def plot_timeline(
     step_bounds: Sequence[tuple[float, float]],
     path: str | Path,
     title: str = "WAR rollout",
+    empty_note: str = "no engine steps in this run",
 ) -> Path:
-    """Writes the two-panel timeline to ``path`` (PNG) and returns it."""
+    """Writes the two-panel timeline to ``path`` (PNG) and returns it; ``empty_note`` is
+    written across it when no timeline has a step."""
     origin = min([b[0] for b in step_bounds]
                  + [r[0].time_s - r[0].step_s for r in timelines.values() if r], default=0.0)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
@@ -63,7 +65,7 @@ def plot_timeline(
     if top.get_legend_handles_labels()[0]:
         top.legend(loc="upper right", fontsize=8)
     else:  # (a resumed run whose trajectories were all written before: no engine steps)
-        top.text(0.5, 0.5, "no engine steps in this run", ha="center", va="center",
+        top.text(0.5, 0.5, empty_note, ha="center", va="center",
                  transform=top.transAxes, color="0.4")
     fig.tight_layout()
     out = Path(path)

@@ -16,9 +16,11 @@ know progress bars or plots
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import random
 import time
@@ -30,6 +32,8 @@ from typing import Any
 import torch
 import yaml
 
+from war.backends.base import ReplicaUnavailable
+from war.backends.http import check_base_url
 from war.data import policy_path
 from war.engine.async_engine import AsyncEngine
 from war.engine.config import EngineConfig
@@ -41,8 +45,12 @@ from war.rollout.driver import RolloutConfig, run_step_async, trajectory_id
 from war.rollout.envs import Task, names, sample_tasks
 from war.rollout.fingerprint import model_fingerprint
 from war.rollout.limits import MAX_REPLICAS, MAX_TORCH_THREADS
+from war.rollout.remote import GROUPS, Endpoint, close_all, connect, routed
 from war.rollout.trajectory import Trajectory, write_parquet
+from war.router.policies import POLICIES
 from war.spec.config import SpecConfig
+
+log = logging.getLogger(__name__)
 
 
 def _default_engine() -> EngineConfig:
@@ -65,6 +73,16 @@ class RunConfig:
       ``tasks_per_step``), so that tasks recur across steps.
     * ``torch_threads``: CPU threads of torch, at most ``MAX_TORCH_THREADS`` (1024)
       (``None``: the machine's cores divided among the replicas).
+    * ``endpoints``: base URLs of ``war serve`` replicas to run on instead of local
+      ones (``war.rollout.remote``); with them ``replicas``, ``torch_threads`` and
+      ``engine`` do not apply (a config file or command line that sets them as well
+      is refused), and ``model`` gives the tokenizer and chat template (the servers
+      should serve its weights).
+    * ``routing_policy``: with ``endpoints``, how turns are placed: a WAR routing
+      policy's name (``war``, ``cache_aware``, ``least_load``, ``round_robin``; an
+      in-process router over the endpoints, with health checks and failover), or
+      ``"groups"`` (whole groups to the least-assigned endpoint, as local replicas
+      get them). ``None``: ``war``. Refused without ``endpoints``.
     """
 
     name: str = "rollout"
@@ -80,6 +98,8 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=_default_engine)
     output_dir: str = "runs"
     torch_threads: int | None = None
+    endpoints: tuple[str, ...] = ()
+    routing_policy: str | None = None
 
     def __post_init__(self) -> None:
         # Every check runs here, before any model is loaded or file written: a config
@@ -133,10 +153,47 @@ class RunConfig:
                                                <= MAX_TORCH_THREADS):
             raise ValueError(f"torch_threads must be an int from 1 to {MAX_TORCH_THREADS} "
                              f"or null, got {self.torch_threads!r}")
+        self._check_endpoints()
         if not isinstance(self.agent, AgentConfig):
             raise ValueError(f"agent must be an AgentConfig, got {self.agent!r}")
         if not isinstance(self.engine, EngineConfig):
             raise ValueError(f"engine must be an EngineConfig, got {self.engine!r}")
+
+
+    def _check_endpoints(self) -> None:
+        if isinstance(self.endpoints, str) or not isinstance(self.endpoints, (list, tuple)):
+            raise ValueError(f"endpoints must be a list of war serve URLs, got "
+                             f"{self.endpoints!r}")
+        urls = []
+        for url in self.endpoints:
+            if not isinstance(url, str):
+                raise ValueError(f"endpoints must be URLs (strings), got {url!r}")
+            try:
+                urls.append(check_base_url(url))
+            except ValueError as exc:
+                raise ValueError(f"endpoints: {exc}") from None
+        twice = sorted({u for u in urls if urls.count(u) > 1})
+        if twice:  # (one server counted twice would take twice its share)
+            raise ValueError(f"endpoints lists {twice} more than once; name each server once")
+        object.__setattr__(self, "endpoints", tuple(urls))
+        policy = self.routing_policy
+        if policy is None:
+            return
+        if not self.endpoints:
+            raise ValueError(f"routing_policy ({policy!r}) applies to endpoints only (local "
+                             "replicas take whole groups each); set endpoints or remove it")
+        if policy != GROUPS and policy not in POLICIES:
+            raise ValueError(f"routing_policy must be {GROUPS!r} or a routing policy "
+                             f"({', '.join(POLICIES)}), got {policy!r}")
+
+    @property
+    def remote(self) -> bool:
+        """Whether the run's replicas are ``endpoints`` (``war serve`` servers)."""
+        return bool(self.endpoints)
+
+
+LOCAL_ONLY = ("replicas", "torch_threads", "engine")
+"""``RunConfig`` settings of local replicas, refused in a config that sets endpoints."""
 
 
 def _is_int(value: Any) -> bool:
@@ -211,6 +268,11 @@ def run_config_from_dict(raw: Mapping[str, Any], where: str = "config") -> RunCo
         base.update(eng)
         data["engine"] = _build(EngineConfig, base, f"{where}: engine")
     cfg: RunConfig = _build(RunConfig, data, where)
+    local = [k for k in LOCAL_ONLY if k in raw]
+    if cfg.remote and local:
+        raise ValueError(f"{where}: {', '.join(local)} set with endpoints: they are "
+                         "settings of local replicas (the servers' engines are set where "
+                         "they run: war serve); remove them, or the endpoints")
     return cfg
 
 
@@ -306,7 +368,10 @@ def trajectory_settings(cfg: RunConfig) -> dict[str, Any]:
     hold: ``steps`` (a resumed run may do more or fewer), ``replicas``,
     ``torch_threads``, the engine's memory, batching and speculation settings
     (verification is lossless), ``agent.send_only_new_tokens``, ``name`` and
-    ``output_dir``; nor the command's progress bars."""
+    ``output_dir``; nor the command's progress bars, nor ``endpoints`` and
+    ``routing_policy`` (where a run's servers are and how it places turns on them).
+    For a run on ``endpoints``, ``engine`` is ``null``: the servers' dtype and context
+    length are set where they run and not known here."""
     agent = cfg.agent
     return {
         "format": SETTINGS_FORMAT,
@@ -325,7 +390,9 @@ def trajectory_settings(cfg: RunConfig) -> dict[str, Any]:
             "top_p": float(agent.top_p),
             "top_k": agent.top_k,
         },
-        "engine": {"dtype": cfg.engine.dtype, "max_model_len": cfg.engine.max_model_len},
+        # (a run on endpoints: their engines' settings are the servers', not recorded)
+        "engine": None if cfg.remote else {"dtype": cfg.engine.dtype,
+                                           "max_model_len": cfg.engine.max_model_len},
     }
 
 
@@ -576,19 +643,31 @@ async def run_rollout(
     *,
     on_done: Callable[[Trajectory], None] | None = None,
     on_step: Callable[[int, list[Task]], None] | None = None,
-    replicas: Mapping[str, AsyncEngine] | None = None,
+    replicas: Mapping[str, AsyncEngine] | Mapping[str, Endpoint] | None = None,
 ) -> RunResult:
     """Runs ``cfg.steps`` synchronous steps; writes trajectories (JSONL as they
-    finish, Parquet at the end) and ``summary.json`` under ``output_dir/name``."""
+    finish, Parquet at the end) and ``summary.json`` under ``output_dir/name``.
+    ``replicas``: the run's local engines (not started; the run starts them) or, for a
+    run on ``endpoints``, its connected endpoints (``war.rollout.remote.connect``); a
+    caller that passes them closes them. ``None``: the run makes (or connects) and
+    closes its own."""
     with removing_created_folder(cfg):  # (a refused start leaves no empty folder)
         return await _run_rollout(cfg, on_done, on_step, replicas)
+
+
+async def connect_endpoints(cfg: RunConfig, io: PolicyIO) -> dict[str, Endpoint]:
+    """The run's ``endpoints``, connected and checked against its tokenizer
+    (``war.rollout.remote.connect``; ValueError naming each that cannot serve it)."""
+    if not cfg.remote:
+        raise ValueError("the run has no endpoints (it runs local replicas)")
+    return await connect(cfg.endpoints, io.tokenizer.get_vocab_size())
 
 
 async def _run_rollout(
     cfg: RunConfig,
     on_done: Callable[[Trajectory], None] | None,
     on_step: Callable[[int, list[Task]], None] | None,
-    replicas: Mapping[str, AsyncEngine] | None,
+    replicas: Mapping[str, AsyncEngine] | Mapping[str, Endpoint] | None,
 ) -> RunResult:
     # Before any model is loaded or trajectory generated: every file the run writes
     # can be written, and the folder's trajectories (if any) are of these settings.
@@ -597,39 +676,57 @@ async def _run_rollout(
     model_dir = Path(cfg.model) if cfg.model else builtin_policy()
     io = PolicyIO.from_folder(model_dir)
     own = replicas is None
-    reps = make_replicas(cfg, model_dir) if replicas is None else dict(replicas)
+    reps: dict[str, Any]
+    if replicas is not None:
+        reps = dict(replicas)
+    else:
+        reps = dict(await connect_endpoints(cfg, io) if cfg.remote
+                    else make_replicas(cfg, model_dir))
+    engines: dict[str, Any] = {} if cfg.remote else reps  # (the local ones: started here)
     summaries: list[StepSummary] = []
     bounds: list[tuple[float, float]] = []
     every: list[Trajectory] = []
+    fleet = None
     try:
         # (recorded once the model loads, so that a model that does not load leaves
         # nothing; checked again: the fingerprint is of the weights as they are now)
         record_run_settings(cfg)
         # (in the try: a replica that fails to start, or a task pool that cannot be
         # drawn, must not leave the replicas already started running)
-        for r in reps.values():
-            r.start()
+        for engine in engines.values():
+            engine.start()
+        targets: Mapping[str, Any] = reps
+        policy = cfg.routing_policy or "war"
+        if cfg.remote and policy != GROUPS:
+            fleet = routed(reps, policy)
+            await fleet.router.start()
+            targets = {"router": fleet}
         pool = task_pool(cfg)
         for step in range(cfg.steps):
             tasks = step_tasks(pool, cfg.tasks_per_step, cfg.seed, step)
-            for r in reps.values():
-                await r.observe_rl_step(step)
+            await _observe_step(reps, step, cfg.remote)
             if on_step is not None:
                 on_step(step, tasks)
             t0 = time.perf_counter()
             fresh: set[str] = set()  # generated now (the others resume an earlier run)
             trajs = await run_step_async(
-                tasks, reps, io, _step_config(cfg, step),
+                tasks, targets, io, _step_config(cfg, step),
                 output=run_dir / TRAJECTORIES_FILE, on_done=_noting(fresh, on_done))
             bounds.append((t0, time.perf_counter()))
             summaries.append(summarize(
                 step, trajs, {t.trajectory_id for t in trajs} - fresh))
             every.extend(trajs)
-        timelines = {name: await r.call(_timeline) for name, r in reps.items()}
+        # (engine steps are recorded by local engines only; a server keeps its own)
+        timelines = {name: await e.call(_timeline) for name, e in engines.items()}
     finally:
+        if fleet is not None:
+            await fleet.router.close(close_backends=False)
         if own:
-            for r in reps.values():
-                await r.close()
+            if cfg.remote:
+                await close_all(reps)
+            else:
+                for r in reps.values():
+                    await r.close()
     write_parquet(every, run_dir / PARQUET_FILE)
     result = RunResult(cfg, run_dir, summaries, timelines, bounds, every)
     # (atomically: a crash mid-write leaves the earlier summary, never half of one)
@@ -637,6 +734,25 @@ async def _run_rollout(
                {"config": _jsonable(dataclasses.asdict(cfg)),
                 "steps": [dataclasses.asdict(s) for s in summaries]}, indent=2)
     return result
+
+
+async def _observe_step(replicas: Mapping[str, Any], step: int, remote: bool) -> None:
+    """Tells every replica that RL step ``step`` begins (its draft history's window).
+    Local engines must take it; an endpoint that refuses it (a server that outlives runs
+    has seen later steps: its window follows those) or does not answer (the router's
+    health checks deal with it) is warned of, and the step goes on."""
+    if not remote:
+        for r in replicas.values():
+            await r.observe_rl_step(step)
+        return
+    answers = await asyncio.gather(*(r.observe_rl_step(step) for r in replicas.values()),
+                                   return_exceptions=True)
+    for name, answer in zip(replicas, answers, strict=True):
+        if isinstance(answer, (ValueError, ReplicaUnavailable)):
+            log.warning("%s did not take RL step %d (its draft history window stays "
+                        "where it is): %s", name, step, answer)
+        elif isinstance(answer, BaseException):
+            raise answer
 
 
 def _noting(ids: set[str], on_done: Callable[[Trajectory], None] | None

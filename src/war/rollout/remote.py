@@ -1,0 +1,166 @@
+"""A run's remote replicas: ``war serve`` servers reached over HTTP (``RunConfig.endpoints``).
+
+Knows: how a run connects to its endpoints before any work: each one's ``GET /v1/models``
+is read, all at once and each within the probe's bound, and the run is refused, naming
+every endpoint at fault, when one does not answer, refuses the key, is not a ``war serve``
+replica (its answer states no ``max_model_len`` and ``vocab_size``: a ``war route``
+router, or another server) or serves a vocabulary smaller than the run's tokenizer (another
+model); what the run then sends turns to: the endpoints themselves, each a replica that
+states its context length (whole groups each, as local replicas take them), or one
+in-process ``Router`` with a WAR routing policy over them (placement by KV locality,
+trajectory progress and load; health checks; a failed endpoint's requests sent elsewhere),
+which states the least of their context lengths. The key sent to the servers (their ``war
+serve --api-key``) is ``$WAR_REPLICA_API_KEY``'s, as ``war route`` sends it.
+
+Does not know how a server generates, nor the routing policies (``war.router``), nor
+which weights a server serves beyond its vocabulary's size (a run trusts that the
+endpoints serve its ``model``: its tokenizer and chat template come from that folder).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from war.backends.base import CredentialsRefused, ReplicaUnavailable
+from war.backends.http import WarHttpBackend
+from war.router.policies import make_policy
+from war.router.router import Router
+from war.types import GenRequest, GenResult
+
+KEY_ENV = "WAR_REPLICA_API_KEY"
+"""The environment variable whose value is sent to the endpoints as their bearer token."""
+GROUPS = "groups"
+"""``RunConfig.routing_policy`` for no router: whole groups go to the least-assigned
+endpoint, as they go to local replicas."""
+PROBE_TIMEOUT_S = 10.0
+"""How long an endpoint's ``/v1/models`` may take when a run connects."""
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a ``war serve`` replica says of itself (``GET /v1/models``)."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    weight_version: int
+
+
+class Endpoint(WarHttpBackend):
+    """A ``war serve`` replica of a run: its HTTP backend and what it serves (``Served``,
+    set by ``connect``); it states its context length (``max_model_len``), which caps the
+    run's trajectories on it (``war.rollout.agent.context_length``)."""
+
+    served: Served | None = None
+
+    @property
+    def max_model_len(self) -> int | None:
+        return None if self.served is None else self.served.max_model_len
+
+
+class RoutedFleet:
+    """The run's endpoints behind one in-process ``Router``: what the rollout driver sends
+    every turn to. States the least of the endpoints' context lengths (a turn may be
+    placed on any of them) and passes ended trajectories on to the router."""
+
+    def __init__(self, router: Router, max_model_len: int) -> None:
+        self.router = router
+        self.max_model_len = max_model_len
+
+    async def generate(self, request: GenRequest) -> GenResult:
+        return await self.router.generate(request)
+
+    def finish_trajectory(self, trajectory_id: str) -> bool:
+        return self.router.finish_trajectory(trajectory_id)
+
+
+def replica_api_key() -> str | None:
+    """``$WAR_REPLICA_API_KEY`` (``None`` when unset or empty); ValueError when it holds
+    whitespace only (the backend refuses one that would break its header itself)."""
+    key = os.environ.get(KEY_ENV) or None
+    if key is not None and not key.strip():
+        raise ValueError(f"{KEY_ENV} is blank")
+    return key
+
+
+def parse_served(data: Any) -> Served:
+    """A ``Served`` from a ``/v1/models`` answer; ValueError saying what is missing."""
+    entry = None
+    if isinstance(data, dict) and isinstance(data.get("data"), list) and data["data"]:
+        entry = data["data"][0]
+    if not isinstance(entry, dict):
+        raise ValueError("its /v1/models answer lists no model")
+    values = {}
+    for key in ("max_model_len", "vocab_size"):
+        value = entry.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"its /v1/models answer states no {key} (got {value!r}): not a war serve "
+                "replica (a war route router, or another server?); endpoints are war "
+                "serve replicas, which the run routes over itself")
+        values[key] = value
+    version = entry.get("weight_version", 0)
+    return Served(model=str(entry.get("id", "")), max_model_len=values["max_model_len"],
+                  vocab_size=values["vocab_size"],
+                  weight_version=version if isinstance(version, int) else 0)
+
+
+async def connect(urls: Sequence[str], vocab_size: int,
+                  probe_timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Endpoint]:
+    """One ``Endpoint`` per URL (``endpoint0``, ``endpoint1``, ...), each probed (see the
+    module's docstring); ValueError naming every endpoint that cannot serve the run, with
+    nothing left open. ``vocab_size``: the run's tokenizer's."""
+    key = replica_api_key()
+    out = {f"endpoint{i}": Endpoint(f"endpoint{i}", url, key,
+                                    health_timeout_s=probe_timeout_s)
+           for i, url in enumerate(urls)}
+    answers = await asyncio.gather(*(e.models() for e in out.values()),
+                                   return_exceptions=True)
+    faults = []
+    for (name, endpoint), answer in zip(out.items(), answers, strict=True):
+        where = f"{name} ({endpoint.base_url})"
+        if isinstance(answer, CredentialsRefused):
+            faults.append(f"{where} refused the key ({answer.status}): set {KEY_ENV} to "
+                          "its war serve --api-key")
+        elif isinstance(answer, (ReplicaUnavailable, ValueError)):
+            faults.append(f"{where} does not answer GET /v1/models: {answer}")
+        elif isinstance(answer, BaseException):
+            faults.append(f"{where}: {type(answer).__name__}: {answer}")
+        else:
+            try:
+                endpoint.served = parse_served(answer)
+            except ValueError as exc:
+                faults.append(f"{where}: {exc}")
+                continue
+            if endpoint.served.vocab_size < vocab_size:
+                faults.append(
+                    f"{where} serves a vocabulary of {endpoint.served.vocab_size} tokens, "
+                    f"fewer than the run's tokenizer's {vocab_size}: another model than "
+                    "the run's model folder?")
+    if faults:
+        await close_all(out)
+        raise ValueError("the run's endpoints cannot serve it: " + "; ".join(faults))
+    return out
+
+
+def routed(endpoints: Mapping[str, Endpoint], policy: str) -> RoutedFleet:
+    """A ``RoutedFleet`` over ``endpoints`` with the routing policy named ``policy``
+    (``war.router.policies``; ValueError for an unknown name). The router is not
+    started (``await fleet.router.start()`` begins its health checks)."""
+    try:
+        chosen = make_policy(policy)
+    except KeyError as exc:
+        raise ValueError(exc.args[0]) from None
+    lens = [e.max_model_len for e in endpoints.values()]
+    if not lens or any(n is None for n in lens):
+        raise ValueError("routed() needs connected endpoints (connect())")
+    return RoutedFleet(Router(dict(endpoints), chosen), min(n for n in lens if n is not None))
+
+
+async def close_all(endpoints: Mapping[str, Endpoint]) -> None:
+    """Closes every endpoint's connections (each one's failure is not another's)."""
+    await asyncio.gather(*(e.close() for e in endpoints.values()), return_exceptions=True)
