@@ -274,6 +274,18 @@ def test_local_flags_with_endpoints_are_refused(
     assert f"{flag[0]} set a run's local replicas; this run is on endpoints" in _err(capsys)
 
 
+def test_a_file_with_local_settings_and_endpoints_on_the_command_line(
+        tmp_path: Path, random_policy: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_mod, "connect", _no_connection)
+    config = _write_config(tmp_path, random_policy, [], replicas=4)
+    del_endpoints = json.loads(config.read_text())
+    del del_endpoints["endpoints"]  # (a local run's file)
+    config.write_text(json.dumps(del_endpoints))
+    assert _run(config, "--endpoint", "http://127.0.0.1:9") == 1
+    assert "replicas set with endpoints" in _err(capsys)
+
+
 def test_the_library_config() -> None:
     cfg = RunConfig(endpoints=["http://10.0.0.7:8000/", "https://h/prefix"])  # type: ignore[arg-type]
     assert cfg.endpoints == ("http://10.0.0.7:8000", "https://h/prefix") and cfg.remote

@@ -93,8 +93,6 @@ def _config(args: argparse.Namespace, base: RunConfig) -> RunConfig:
     changes = {k: getattr(args, k) for k in ("steps", "tasks_per_step", "group_size",
                                              "replicas", "output_dir", "name", "seed")
                if getattr(args, k, None) is not None}
-    if getattr(args, "endpoints", None):
-        changes["endpoints"] = tuple(args.endpoints)
     cfg = dataclasses.replace(base, **changes)
     if cfg.remote:
         local = [flag for flag, key in (("--replicas", "replicas"), ("--spec-mode", "spec_mode"))
@@ -120,7 +118,9 @@ def run_rollout_command(args: argparse.Namespace) -> int:
     from war.rollout.run import load_run_config
 
     try:
-        base = load_run_config(args.config)
+        # (--endpoint replaces the file's endpoints before the file is checked: a file
+        # that sets local replicas' settings is refused with them too)
+        base = load_run_config(args.config, endpoints=args.endpoints)
     except UnicodeDecodeError as e:  # (its message names no file)
         raise ValueError(f"{args.config}: not UTF-8: {e}") from None
     return _run(_config(args, base), quiet=args.quiet, fresh=False)
