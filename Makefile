@@ -13,7 +13,7 @@ PINS := scikit-build-core==1.1.2 nanobind==2.9.2 numpy==2.4.6 tokenizers==0.23.3
         prometheus-client==0.26.0 transformers==5.24.0 httpx==0.28.1 sniffio==1.3.1 \
         aiohttp==3.14.5 uvloop==0.23.0 httptools==0.9.0 orjson==3.13.0 \
         jinja2==3.1.6 pyarrow==26.0.1 matplotlib==3.11.2 pyyaml==6.0.4 types-PyYAML==6.0.12.20261122 \
-        ray==2.60.0
+        ray==2.60.0 cmake==4.4.5 ninja==1.13.2
 
 .PHONY: demo test lint typecheck install clean bench
 
@@ -22,7 +22,7 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip==25.3
 
 $(STAMP): $(BIN)/python $(NATIVE_SRC)
-	$(BIN)/pip install --quiet $(PINS) cmake ninja
+	$(BIN)/pip install --quiet $(PINS)
 	$(BIN)/pip install --quiet --no-build-isolation -e ".[dev,ray]"
 	touch $(STAMP)
 

@@ -35,7 +35,7 @@ def add_serve_command(commands: Subparsers) -> None:
         help="serve a model over an OpenAI-compatible HTTP API (one replica)",
         description="Loads a Hugging Face model folder (config.json, *.safetensors, optional "
         "tokenizer.json) and serves POST /v1/completions, /health, /v1/models, /v1/load, "
-        "/v1/history and /metrics.",
+        "/v1/history, /v1/weights, /v1/rl_step, /v1/trajectories/finish and /metrics.",
     )
     p.add_argument("--model", required=True, type=Path, metavar="FOLDER",
                    help="Hugging Face model folder")
