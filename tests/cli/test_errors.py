@@ -96,6 +96,18 @@ def test_route_refuses_an_empty_host(
                    "0"], 2, "war route: error: --host is empty", "", capsys)
 
 
+def test_route_refuses_a_bad_stall_timeout_on_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from war.cli import route
+
+    monkeypatch.setattr(route, "_serve", _no_work)
+    for bad in ("0", "-2", "inf", "nan"):
+        _one_line(["route", "--replica", "war+http://127.0.0.1:9", "--stall-timeout", bad],
+                  2, "war route: error: --stall-timeout must be a finite number > 0", "",
+                  capsys)
+
+
 def test_sim_refuses_a_report_named_as_the_plots_folder(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -73,6 +73,12 @@ def add_route_command(commands: Subparsers) -> None:
                    help="leave the requests in flight on a replica that fails its health "
                         "check to their own timeout (default: they are cancelled and sent "
                         "to another replica at once)")
+    p.add_argument("--stall-timeout", type=float, default=None, metavar="S",
+                   help="mark a replica down when it has had requests in flight for S "
+                        "seconds with none completing (its health check answering, its "
+                        "engine wedged): its requests go to other replicas, and it "
+                        "rejoins once its health check passes with none of them left "
+                        "there (default: off)")
     p.add_argument("--auth-retry", type=float, default=30.0, metavar="S",
                    help="seconds before a replica that refused the replica key gets a "
                         "trial request again, where its load poll needs no key "
@@ -116,7 +122,8 @@ def _check_replica_key(key: str | None) -> None:
 def build_router(specs: list[str], policy: str, health_interval_s: float = 1.0,
                  max_attempts: int = 4, health_timeout_s: float = 5.0,
                  replica_api_key: str | None = None, failover_in_flight: bool = True,
-                 auth_retry_s: float = 30.0) -> Router:
+                 auth_retry_s: float = 30.0, stall_timeout_s: float | None = None
+                 ) -> Router:
     """A router over ``make_backend(spec, api_key=replica_api_key)`` for each spec (the
     key goes to every replica as ``Authorization: Bearer``). Raises ``ValueError`` for
     a spec or setting it cannot use."""
@@ -129,7 +136,8 @@ def build_router(specs: list[str], policy: str, health_interval_s: float = 1.0,
     _check_replica_key(replica_api_key)
     config = RouterConfig(max_attempts=max_attempts, health_interval_s=health_interval_s,
                           health_timeout_s=health_timeout_s,
-                          failover_in_flight=failover_in_flight, auth_retry_s=auth_retry_s)
+                          failover_in_flight=failover_in_flight, auth_retry_s=auth_retry_s,
+                          stall_timeout_s=stall_timeout_s)
     backends = []
     for spec in specs:
         try:
@@ -155,9 +163,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         raise ValueError(f"--port must be in [0, 65536), got {args.port}")
     if not args.host.strip():  # (it would bind every interface, as 0.0.0.0 does)
         raise ValueError("--host is empty; give an address (0.0.0.0: every interface)")
-    for option in ("--health-interval", "--health-timeout", "--auth-retry"):
+    for option in ("--health-interval", "--health-timeout", "--auth-retry", "--stall-timeout"):
         value = getattr(args, option[2:].replace("-", "_"))
-        if not 0 < value < math.inf:
+        if value is not None and not 0 < value < math.inf:  # (None: --stall-timeout's off)
             raise ValueError(f"{option} must be a finite number > 0, got {value}")
     if args.max_attempts < 1:
         raise ValueError(f"--max-attempts must be >= 1, got {args.max_attempts}")
@@ -166,7 +174,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         raise ValueError(f"--eos-token-id must be >= 0, got {bad}")
     router = build_router(args.replica, args.policy, args.health_interval, args.max_attempts,
                           args.health_timeout, replica_api_key(args),
-                          args.failover_in_flight, args.auth_retry)
+                          args.failover_in_flight, args.auth_retry, args.stall_timeout)
     api_key: str | None = args.api_key or os.environ.get("WAR_API_KEY") or None
     return create_router_app(router, api_key=api_key, eos_token_ids=args.eos_token_id,
                              model_name=args.served_model_name, manage_router=True)

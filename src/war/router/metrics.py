@@ -54,6 +54,9 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Completed responses forwarded to other replicas' speculators."),
     ("war_router_replicas_marked_down", "replicas_marked_down",
      "Times a replica was marked down."),
+    ("war_router_replicas_stalled", "replicas_stalled",
+     "Times a replica was marked down for a stall (requests in flight, none completing "
+     "for stall_timeout_s; each also counted in replicas_marked_down)."),
     ("war_router_trajectories_released", "trajectories_released",
      "Ended trajectories reported to the replica holding them."),
     ("war_router_replica_auth_refusals", "auth_refusals",

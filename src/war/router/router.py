@@ -27,6 +27,18 @@ id, whole for a continuing turn, as after any failure. A cancellation of the cal
 own (a client hanging up) still ends the request; a late answer of the hung replica has
 no one left to reach.
 
+A replica whose health check answers but whose generations never complete (its engine
+loop wedged behind a live HTTP front) is found by ``RouterConfig.stall_timeout_s``: one
+that has had requests in flight continuously for that long, none of them completing
+(an answer, or an error answer) meanwhile, is marked down in the health loop's round as
+if it had failed its check (its requests in flight failed over likewise), and counted
+in ``RouterStats.replicas_stalled``. Such a replica's health check passes at once, so it
+rejoins only when that check passes at least ``health_interval_s`` (the router's clock)
+after it was marked down and nothing of the router's is in flight there any more (the
+stalled calls were cancelled, or ended on their own with ``failover_in_flight`` off).
+The router's clock tells time in flight; the check runs each round of the health loop,
+so a stall is found within ``stall_timeout_s`` plus a round.
+
 A replica that refuses the router's credentials (HTTP 401 or 403: the router was given
 no key for it, or the wrong one, or the replica was started with another key) is a
 configuration error, not a failure: it is not marked down (its health probe may well
@@ -160,6 +172,14 @@ class RouterConfig:
       one request's own failure (a 5xx, a lost connection) keeps its other requests
       until the health loop's next check of it fails too. False: requests in flight
       finish or fail on their own.
+    * ``stall_timeout_s``: a replica that has had at least one request in flight
+      continuously for this long (the router's clock), with none completing there
+      meanwhile (a result or an error answer), is marked down as if it had failed its
+      health check: its requests in flight are failed over (``failover_in_flight``). It
+      rejoins when its health check passes at least ``health_interval_s`` after that
+      and nothing of the router's is in flight there any more. Checked each round of
+      the health loop. None (the default): off, a replica whose health check passes
+      keeps its requests however long they take.
     * ``share_history``: forward completed responses to the other replicas.
     * ``history_lead_in``: prompt tokens forwarded before each response, as a
       replica's own history entries carry them (``SpecConfig.lead_in``), so a
@@ -192,6 +212,7 @@ class RouterConfig:
     max_context_tokens: int = 32_000_000
     failover_in_flight: bool = True
     auth_retry_s: float = 30.0
+    stall_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.failover_in_flight, bool):
@@ -214,6 +235,11 @@ class RouterConfig:
         if not 0 < self.health_timeout_s < math.inf:
             raise ValueError(f"health_timeout_s must be a finite number > 0, got "
                              f"{self.health_timeout_s}")
+        stall = self.stall_timeout_s
+        if stall is not None and (isinstance(stall, bool) or not isinstance(stall, int | float)
+                                  or not 0 < stall < math.inf):  # (NaN fails the comparison)
+            raise ValueError(f"stall_timeout_s must be None or a finite number > 0, got "
+                             f"{stall!r}")
         if self.max_trajectories < 1:
             raise ValueError(f"max_trajectories must be >= 1, got {self.max_trajectories}")
         if self.max_context_tokens < 0:
@@ -234,7 +260,8 @@ class _Replica:
 
     __slots__ = ("_load", "aborted", "auth_refused", "auth_trial_at", "backend", "calls",
                  "failures", "healthy", "last_refusal", "load_view", "num_requests",
-                 "poll_refused", "served", "takes_priority", "tokens_in_flight")
+                 "poll_refused", "progress_at", "served", "stalled_at", "takes_priority",
+                 "tokens_in_flight")
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -254,6 +281,11 @@ class _Replica:
         self.poll_refused = False
         self.auth_trial_at = 0.0
         self.load = None
+        # (the router's clock, kept with ``stall_timeout_s`` only) the later of when its
+        # requests in flight went from none to one and when one last completed there;
+        # when it was marked down for a stall (None: it was not, or it has rejoined)
+        self.progress_at = 0.0
+        self.stalled_at: float | None = None
         # the tasks awaiting a call to it, each with its ``cancelling()`` count when the
         # call began; those the router cancelled (``Router._abort_in_flight``) move to
         # ``aborted`` until they see it
@@ -292,6 +324,9 @@ class RouterStats:
     # requests in flight cancelled on a replica that failed a health check (each then
     # sent again elsewhere, counted in ``retries``, or failed)
     in_flight_aborted: int = 0
+    # times a replica was marked down for a stall (``stall_timeout_s``; each also counted
+    # in ``replicas_marked_down``)
+    replicas_stalled: int = 0
     per_replica: dict[str, int] = field(default_factory=dict)
 
 
@@ -411,6 +446,7 @@ class Router:
         refusals: list[ReplicaAuthRefused] = []  # this request's, while all it met
         # (the task awaiting each call: the health loop cancels it if the replica fails)
         task = asyncio.current_task() if self.config.failover_in_flight else None
+        stall = self.config.stall_timeout_s is not None  # (the clock read only then)
         while True:
             healthy = [v for v in self.views() if v.healthy]
             if self._refusing:  # (those that refused the key are left out)
@@ -464,6 +500,8 @@ class Router:
             size = len(full if full is not None else send.prompt_ids) + send.sampling.max_tokens
             rep.num_requests += 1
             rep.tokens_in_flight += size
+            if stall and rep.num_requests == 1:  # (busy from now: ``_stalled``)
+                rep.progress_at = self._clock()
             calls = rep.calls
             if task is not None:
                 calls[task] = task.cancelling()
@@ -492,7 +530,9 @@ class Router:
                     # (the replica is down already, and its failure counted)
                 elif isinstance(exc, ReplicaUnavailable):
                     self._mark_down(name, exc)
-                else:
+                else:  # an answer, if an error: the replica is not stalled
+                    if stall:
+                        rep.progress_at = self._clock()
                     refused = self._refused(name, rep, exc)
                     if refused is None:  # the request's own error (a 400, a 409)
                         self.policy.on_complete(request, None, name, self._clock())
@@ -523,6 +563,8 @@ class Router:
                 rep.num_requests -= 1
                 rep.tokens_in_flight -= size
             rep.served += 1
+            if stall:
+                rep.progress_at = self._clock()
             if rep.auth_refused:
                 self._accepted(name, rep, "served a request")
             self.stats.completed += 1
@@ -768,6 +810,8 @@ class Router:
 
     async def _check(self, name: str, rep: _Replica) -> None:
         """One replica's part of a round (``check_health``); never raises."""
+        if rep.healthy and self._stalled(name, rep):
+            return
         timeout = self.config.health_timeout_s
         back = False  # a down replica answered its health check
         try:
@@ -788,7 +832,7 @@ class Router:
                     self._accepted(name, rep, "its load poll was accepted")
             # (a replica rejoins only with its new load report: meanwhile it is offered
             # to no request, with the report from before it went down or otherwise)
-            if back:
+            if back and not self._stall_holds(rep):
                 self._rejoin(name, rep)
         except ReplicaUnavailable as exc:
             self._mark_down(name, exc)  # (one that is down stays down, counted once)
@@ -803,8 +847,45 @@ class Router:
                 log.debug("load of %s failed: %r", name, exc)
             else:
                 rep.poll_refused = True
-            if back:
+            if back and not self._stall_holds(rep):
                 self._rejoin(name, rep)
+
+    def _stalled(self, name: str, rep: _Replica) -> bool:
+        """Whether replica ``name``, up, is stalled (``stall_timeout_s``: requests in
+        flight there continuously for that long, none completing meanwhile); if so it is
+        marked down as after a failed health check, its requests in flight failed over,
+        and the stall counted and logged (once: a down replica is not checked again)."""
+        limit = self.config.stall_timeout_s
+        if limit is None or rep.num_requests == 0:
+            return False
+        now = self._clock()
+        quiet_s = now - rep.progress_at
+        if quiet_s < limit:
+            return False
+        n = rep.num_requests
+        why = (f"stalled: {n} request{'s' if n != 1 else ''} in flight, none completed "
+               f"for {quiet_s:.3g} s")
+        self.stats.replicas_stalled += 1
+        rep.stalled_at = now
+        self._mark_down(name, ReplicaUnavailable(f"{name}: {why}"))
+        self._abort_in_flight(name, rep, "stalled")
+        return True
+
+    def _stall_holds(self, rep: _Replica) -> bool:
+        """Whether a replica whose health check just passed stays down for its stall: it
+        was marked down for one less than ``health_interval_s`` ago, or the router still
+        has requests in flight there (the stalled calls, not yet cancelled or ended). A
+        stalled engine's HTTP front answers its health check at once, so that check
+        alone would let it rejoin in the very round after, with its stalled calls still
+        on it. Once it holds no more, the stall is over (one that stalls again is found
+        again after another ``stall_timeout_s``)."""
+        if rep.stalled_at is None:
+            return False
+        if (self._clock() - rep.stalled_at < self.config.health_interval_s
+                or rep.num_requests > 0):
+            return True
+        rep.stalled_at = None
+        return False
 
     def _rejoin(self, name: str, rep: _Replica) -> None:
         rep.healthy = True
