@@ -45,11 +45,11 @@ def add_route_command(commands: Subparsers) -> None:
         description="Serves POST /v1/completions and SGLang's POST /generate (token-id "
         "prompts), /health, /v1/load and "
         "/metrics in front of replicas given as specs: war+http://HOST:PORT (war serve), "
-        "vllm+http://HOST:PORT, sglang+http://HOST:PORT.",
+        "vllm+http://HOST:PORT/?model=NAME (its served model name), sglang+http://HOST:PORT.",
     )
     p.add_argument("--replica", action="append", required=True, metavar="SPEC",
                    help="a replica (repeat for each): war+http://HOST:PORT, "
-                        "vllm+http://HOST:PORT or sglang+http://HOST:PORT")
+                        "vllm+http://HOST:PORT/?model=NAME or sglang+http://HOST:PORT")
     p.add_argument("--policy", choices=POLICIES, default="war",
                    help="routing policy (default: war)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
