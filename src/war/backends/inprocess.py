@@ -79,6 +79,14 @@ class InProcessBackend:
         except EngineClosedError as e:
             raise ReplicaUnavailable(f"{self.name}: {e}") from e
 
+    async def observe_rl_step(self, rl_step: int) -> None:
+        """RL step ``rl_step`` began: the engine's draft history window slides
+        (``ValueError`` if it went back)."""
+        try:
+            await self._started().observe_rl_step(rl_step)
+        except EngineClosedError as e:
+            raise ReplicaUnavailable(f"{self.name}: {e}") from e
+
     async def close(self) -> None:
         if self.owns_engine:
             await self.async_engine.close()

@@ -43,7 +43,7 @@ def add_route_command(commands: Subparsers) -> None:
         "route",
         help="route requests over several replicas (OpenAI-style and SGLang endpoints)",
         description="Serves POST /v1/completions and SGLang's POST /generate (token-id "
-        "prompts), /health, /v1/load and "
+        "prompts), POST /v1/rl_step and /v1/trajectories/finish, /health, /v1/load and "
         "/metrics in front of replicas given as specs: war+http://HOST:PORT (war serve), "
         "vllm+http://HOST:PORT/?model=NAME (its served model name), sglang+http://HOST:PORT.",
     )

@@ -3,8 +3,9 @@
 Knows: the replicas (backends) and their health, what it has sent to each and not
 yet seen completed, the routing policy (asked with ``now`` from an injected
 clock), each trajectory's context (so a turn that sends only its new tokens can be
-re-sent whole to another replica), retries, and shared draft history (a completed
-response is forwarded to the other replicas' speculators). Does not know how a
+re-sent whole to another replica), retries, shared draft history (a completed
+response is forwarded to the other replicas' speculators) and the RL step (told to
+every replica that takes it, and to one that rejoins later). Does not know how a
 replica computes, nor which policy is best.
 
 Failures: a replica that raises ``ReplicaUnavailable`` (refused, lost, timed out,
@@ -362,6 +363,8 @@ class Router:
         self._homes: OrderedDict[str, str] = OrderedDict()
         self._health_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        # the last RL step the router was told (``observe_rl_step``; None: none yet)
+        self._rl_step: int | None = None
         # history waiting to be forwarded, per replica, and whether a flush is due
         self._pending: dict[str, list[tuple[Sequence[int], str | None]]] = {}
         self._flush_due: set[str] = set()
@@ -615,6 +618,60 @@ class Router:
             else:
                 self._spawn(self._release(release, rep.backend.name, trajectory_id))
         return held
+
+    async def observe_rl_step(self, rl_step: int) -> dict[str, str]:
+        """RL step ``rl_step`` began: every replica up whose backend takes it
+        (``observe_rl_step``: WAR replicas) is told at once, concurrently, each within
+        ``health_timeout_s``, so that its draft history's window of RL steps slides
+        (``SpecConfig.history_window_steps``). Returns each replica's outcome: ``"ok"``,
+        ``"unsupported"`` (a vLLM or SGLang replica), ``"down"`` (told when it rejoins),
+        or ``"refused: ..."`` / ``"failed: ..."`` with the reason (a replica that saw a
+        later step refuses an earlier one). A replica that rejoins later is told the
+        last step the router was told. ValueError for a step that is not an int >= 0."""
+        if isinstance(rl_step, bool) or not isinstance(rl_step, int) or rl_step < 0:
+            raise ValueError(f"rl_step must be an int >= 0, got {rl_step!r}")
+        self._rl_step = rl_step
+        out: dict[str, str] = {}
+        calls: dict[str, Awaitable[None]] = {}
+        for name, rep in self.replicas.items():
+            observe = getattr(rep.backend, "observe_rl_step", None)
+            if not callable(observe):
+                out[name] = "unsupported"
+            elif not rep.healthy:
+                out[name] = "down"
+            else:
+                calls[name] = observe(rl_step)
+        timeout = self.config.health_timeout_s
+
+        async def one(call: Awaitable[None]) -> None:
+            async with asyncio.timeout(timeout):
+                await call
+
+        answers = await asyncio.gather(*(one(c) for c in calls.values()),
+                                       return_exceptions=True)
+        for name, answer in zip(calls, answers, strict=True):
+            if answer is None:
+                out[name] = "ok"
+            elif isinstance(answer, ValueError):
+                out[name] = f"refused: {answer}"
+            elif isinstance(answer, TimeoutError):
+                out[name] = f"failed: no answer within {timeout} s"
+            elif isinstance(answer, Exception):
+                out[name] = f"failed: {answer}"
+            else:
+                raise answer  # (a cancellation)
+        return {name: out[name] for name in self.replicas}
+
+    async def _tell_rl_step(self, name: str, rep: _Replica, rl_step: int) -> None:
+        """A rejoining replica is told the router's RL step (``observe_rl_step``)."""
+        observe = getattr(rep.backend, "observe_rl_step", None)
+        if not callable(observe):
+            return
+        try:
+            async with asyncio.timeout(self.config.health_timeout_s):
+                await observe(rl_step)
+        except Exception as exc:  # (its window stays; the next step tells it again)
+            log.debug("telling %s RL step %d failed: %r", name, rl_step, exc)
 
     async def _release(self, release: Callable[[str], Awaitable[bool]], name: str,
                        trajectory_id: str) -> None:
@@ -890,6 +947,8 @@ class Router:
     def _rejoin(self, name: str, rep: _Replica) -> None:
         rep.healthy = True
         log.warning("replica %s is back", name)
+        if self._rl_step is not None:  # (it missed the steps told while it was down)
+            self._spawn(self._tell_rl_step(name, rep, self._rl_step))
 
     async def _health_loop(self) -> None:
         while True:

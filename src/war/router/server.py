@@ -10,7 +10,8 @@ that served each choice), how failures map to statuses (a replica's refusal: 400
 unknown trajectory: 409 ``unknown_trajectory``; no replica up: 503; a replica that
 refuses the router's own credentials: 502 ``replica_auth_failed``; the app keeps
 serving), the side endpoints (``/health``, ``/v1/load``, ``/v1/models``, ``/metrics``,
-``/v1/trajectories/finish``: a rollout driver reports an ended episode)
+``/v1/trajectories/finish``: a rollout driver reports an ended episode; ``/v1/rl_step``:
+an RL step began, told to every WAR replica)
 and bearer-token auth (the replica's middleware).
 
 The router has no tokenizer and no model: prompts must be token ids, ``text`` is always
@@ -41,7 +42,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import StrictStr, ValidationError
+from pydantic import StrictInt, StrictStr, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -571,6 +572,10 @@ class FinishRequest(ForbidExtra):
     trajectory_id: StrictStr
 
 
+class RLStepRequest(ForbidExtra):
+    rl_step: StrictInt
+
+
 MAX_BODY_BYTES = 64 << 20  # a completions body (token ids as JSON) larger than this: 413
 
 
@@ -807,6 +812,17 @@ def create_router_app(router: Router, api_key: str | None = None,
             raise APIError(400, "trajectory_id must not be empty", param="trajectory_id")
         held = router.finish_trajectory(body.trajectory_id)
         return {"trajectory_id": body.trajectory_id, "held": held}
+
+    @app.post("/v1/rl_step")
+    async def rl_step(body: RLStepRequest) -> dict[str, Any]:
+        """RL step ``rl_step`` began: every WAR replica is told (``Router.observe_rl_step``);
+        the answer gives each replica's outcome."""
+        if body.rl_step < 0:
+            raise APIError(400, f"rl_step must be >= 0, got {body.rl_step}", param="rl_step")
+        replicas = await router.observe_rl_step(body.rl_step)
+        told = [o for o in replicas.values() if o != "unsupported"]
+        status = "ok" if told and all(o == "ok" for o in told) else "partial"
+        return {"status": status, "rl_step": body.rl_step, "replicas": replicas}
 
     @app.get("/health")
     async def health() -> JSONResponse:
