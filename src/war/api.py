@@ -89,6 +89,36 @@ class CompletionRequest(ForbidExtra):
     group_id: StrictStr | None = None
     priority: StrictFloat | None = None
     continues: StrictBool = False
+    # OpenAI completion fields WAR does not implement: accepted at the value that changes
+    # nothing (clients such as LangChain send ``frequency_penalty: 0`` on every call),
+    # refused otherwise (``refuse_unsupported``)
+    frequency_penalty: StrictFloat | None = None
+    presence_penalty: StrictFloat | None = None
+    best_of: StrictInt | None = None
+    logit_bias: dict[StrictStr, Any] | None = None
+    suffix: StrictStr | None = None
+    stream_options: dict[StrictStr, Any] | None = None
+
+
+# field -> the values that change nothing (None: the field left out)
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0.0), "presence_penalty": (None, 0.0), "best_of": (None, 1),
+    "logit_bias": (None, {}), "suffix": (None, ""), "stream_options": (None,)}
+
+
+def refuse_unsupported(body: CompletionRequest) -> None:
+    """``APIError`` 400 naming the first OpenAI field of ``body`` set to a value WAR does
+    not implement (``CompletionRequest``'s last fields); a neutral value passes."""
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(body, name)
+        if value in neutral:
+            continue
+        if name == "stream_options":  # (OpenAI refuses it without stream=true too)
+            raise APIError(400, "stream_options needs stream=true, which is not supported",
+                           param=name)
+        allowed = " or ".join(repr(v) for v in neutral if v is not None)
+        raise APIError(400, f"{name}={value!r} is not supported (only {allowed}, or "
+                       f"leaving it out)", param=name)
 
 
 class HistoryItem(ForbidExtra):

@@ -434,3 +434,22 @@ def test_oversized_bodies_are_413_and_the_router_keeps_serving(
     text = client.get("/metrics").text
     assert 'war_router_http_requests_total{status="413"} 1.0' in text
     assert 'war_router_http_requests_total{status="200"} 1.0' in text
+
+
+def test_openai_fields_at_their_neutral_values_pass_the_router() -> None:
+    """As at the replica (``war.api.refuse_unsupported``): LangChain-style clients send
+    ``frequency_penalty: 0`` and the like on every call."""
+    client, _, a, _ = make()
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "best_of": 1,
+               "logit_bias": {}, "suffix": "", "stream_options": None}
+    r = post(client, {"prompt": [1, 2], "max_tokens": 1, **neutral})
+    assert r.status_code == 200, r.text
+    assert len(a.seen) == 1
+    for field, value in (("frequency_penalty", 0.5), ("best_of", 2),
+                         ("logit_bias", {"5": 100}), ("suffix", "x"),
+                         ("stream_options", {"include_usage": True})):
+        r = post(client, {"prompt": [1, 2], "max_tokens": 1, field: value})
+        assert r.status_code == 400, (field, r.text)
+        assert r.json()["error"]["param"] == field
+    assert post(client, {"prompt": [1], "max_tokens": 1, "min_tokens": 1}).status_code == 400
+    assert len(a.seen) == 1  # (nothing refused reached a replica)

@@ -5,8 +5,9 @@ prompts first; strings when the engine has a tokenizer) and WAR's extensions
 (trajectory/group ids, priority, per-request speculation figures), how each
 field maps to a ``GenRequest``, how mistakes are reported (a 4xx, or a 500, with
 an OpenAI-style ``{"error": {...}}`` body; the server keeps serving; a body over
-``MAX_BODY_BYTES`` is a 413), the side endpoints (``/health``, ``/v1/models``,
-``/v1/load``, ``/v1/history``,
+``MAX_BODY_BYTES`` is a 413), which OpenAI fields it refuses (those it does not
+implement unless at their neutral value, ``n`` > 1, streaming, top-k logprobs, the chat
+API), the side endpoints (``/health``, ``/v1/models[/{id}]``, ``/v1/load``, ``/v1/history``,
 ``/v1/rl_step``, ``/v1/trajectories/finish``, ``/metrics``), bearer-token auth,
 and that a request whose client hung up is aborted in the engine.
 
@@ -44,6 +45,7 @@ from war.api import (
     error_response,
     finite_logprob,
     is_token,
+    refuse_unsupported,
     unless_disconnected,
     validation_message,
 )
@@ -188,6 +190,14 @@ class _Completions:
         if body.logprobs is not None and not isinstance(body.logprobs, bool) \
                 and body.logprobs < 0:
             raise APIError(400, f"logprobs must be >= 0, got {body.logprobs}", param="logprobs")
+        if not isinstance(body.logprobs, bool) and isinstance(body.logprobs, int) \
+                and body.logprobs > 1:
+            # OpenAI's logprobs=k also lists the k likeliest tokens at each position; the
+            # engine returns the sampled token's only, so a larger k is refused rather
+            # than answered without the alternatives it asked for.
+            raise APIError(400, f"logprobs={body.logprobs} is not supported: only the sampled "
+                           "tokens' logprobs are returned (logprobs 0 or 1, or true)",
+                           param="logprobs")
         want_logprobs = body.logprobs is not None and body.logprobs is not False
         stop_ids = list(body.stop_token_ids or [])
         bad = next((t for t in stop_ids if not 0 <= t < self.vocab_size), None)
@@ -371,6 +381,7 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
         status = 500
         try:
             try:
+                refuse_unsupported(body)
                 held = 0
                 tid = completions.trajectory_id(body, request.headers)
                 if body.continues and body.max_tokens is None and tid is not None:
@@ -413,14 +424,31 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
                              "weight_version": async_engine.weight_version},
                             status_code=200 if ok else 503)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "war",
+                "max_model_len": completions.max_model_len,
+                "vocab_size": completions.vocab_size,
+                "weight_version": async_engine.weight_version}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": 0, "owned_by": "war",
-            "max_model_len": completions.max_model_len,
-            "vocab_size": completions.vocab_size,
-            "weight_version": async_engine.weight_version,
-        }]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # (``:path``: a model name may hold a slash)
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist (this server serves "
+                           f"{model_name!r})", "not_found_error", "model_not_found", "model")
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> JSONResponse:
+        # The replica holds no chat template: the client renders the conversation
+        # (war.rollout.chat) and sends its tokens, which keeps a trajectory's token ids
+        # exactly those it trains on. Answered before the body is read.
+        raise APIError(404, "this server has no chat API: render the conversation with "
+                       "the model's chat template and send it to POST /v1/completions as "
+                       "token ids (or text)", "not_found_error", "unsupported_endpoint")
 
     @app.get("/v1/load")
     async def load() -> dict[str, Any]:

@@ -59,6 +59,7 @@ from war.api import (
     error_response,
     finite_logprob,
     is_token,
+    refuse_unsupported,
     unless_hung_up,
     validation_message,
 )
@@ -128,9 +129,11 @@ def parse_completion_body(raw: bytes) -> CompletionRequest:
     if not isinstance(data, dict):
         raise APIError(400, "invalid request: the body must be a JSON object")
     try:
-        return CompletionRequest.model_validate(data)
+        body = CompletionRequest.model_validate(data)
     except ValidationError as e:
         raise APIError(400, validation_message(e)) from None
+    refuse_unsupported(body)  # (OpenAI's fields WAR does not implement, but neutral)
+    return body
 
 
 _ID_PREFIX = f"cmpl-{uuid.uuid4().hex[:16]}-"  # this process's; unique across routers
