@@ -518,3 +518,29 @@ def test_a_folder_of_another_architecture_is_refused(other: dict[str, object],
     fresh = make_engine(tiny_model(3), spec_mode="off")
     assert same.generate([GenRequest("c", (3, 4, 5), sp)])[0].output_ids == \
         fresh.generate([GenRequest("c", (3, 4, 5), sp)])[0].output_ids
+
+
+def test_a_seeded_sample_is_the_same_with_and_without_speculation() -> None:
+    """A seed fixes the tokens whatever the drafts (``war.engine.verify``: the emitted
+    token of each position is the target's own inverse-CDF draw): an engine that
+    speculates (with its history growing between the requests, so that the drafts
+    differ) gives the seeded request's tokens of an engine that does not."""
+    model = tiny_model(0, torch.float64)
+
+    def engine(mode: str) -> Engine:
+        return Engine(model, EngineConfig(
+            dtype="float64", block_size=4, num_kv_blocks=128, spec_mode=mode,
+            spec=SpecConfig(min_prob=0.0, max_spec_tokens=8)))
+
+    off, spec = engine("off"), engine("always")
+    drafted = 0
+    for seed, prompt in enumerate(prompts(5, 6)):
+        sp = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=seed)
+        want = off.generate([GenRequest(f"o{seed}", prompt, sp)])[0]
+        for again in range(2):  # (the second time, the first one's output drafts)
+            got = spec.generate([GenRequest(f"s{seed}.{again}", prompt, sp)])[0]
+            assert got.output_ids == want.output_ids, (seed, again)
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-9)
+            drafted += got.num_draft_tokens
+    assert drafted > 0 and spec.stats.num_accepted_tokens > 0  # (it did speculate)
+    spec.check_integrity()

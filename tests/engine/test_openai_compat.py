@@ -1,7 +1,7 @@
 """What an OpenAI client sends to the replica: the OpenAI completion fields WAR does not
 implement (accepted at the value that changes nothing, refused otherwise), top-k
 logprobs (refused), ``GET /v1/models/{id}``, the chat API (refused, naming what to use
-instead), and ``seed`` reproducing a sample when nothing speculates."""
+instead), and ``seed`` reproducing a sample, speculating or not."""
 
 from __future__ import annotations
 
@@ -106,14 +106,18 @@ def test_the_chat_api_is_refused_naming_the_completions_api(client: TestClient) 
     _still_serves(client)
 
 
-def test_a_seed_reproduces_the_sample_without_speculation() -> None:
-    # (with speculation a seeded sample depends on the drafts: docs/engine.md)
-    ae = AsyncEngine(_engine(spec_mode="off"))
-    try:
-        with TestClient(create_app(ae, model_name="tiny")) as c:
-            outs = [complete(c, prompt=[1, 2], max_tokens=8, ignore_eos=True, seed=3,
-                             temperature=1.0).json()["choices"][0]["token_ids"]
-                    for _ in range(3)]
-            assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 8
-    finally:
-        asyncio.run(ae.close())
+@pytest.mark.parametrize("spec_mode", ["off", "always", "auto"])
+def test_a_seed_reproduces_the_sample(spec_mode: str) -> None:
+    # (with speculation the drafts differ each time, as the history grows: the tokens
+    # do not, war.engine.verify)
+    outs = []
+    for mode in ("off", spec_mode):
+        ae = AsyncEngine(_engine(spec_mode=mode))
+        try:
+            with TestClient(create_app(ae, model_name="tiny")) as c:
+                outs += [complete(c, prompt=[1, 2], max_tokens=8, ignore_eos=True, seed=3,
+                                  temperature=1.0).json()["choices"][0]["token_ids"]
+                         for _ in range(3)]
+        finally:
+            asyncio.run(ae.close())
+    assert all(o == outs[0] for o in outs) and len(outs[0]) == 8, outs

@@ -418,15 +418,64 @@ def test_empty_draft_matches_sample_batch() -> None:
 
 
 def test_generator_use() -> None:
-    """A sampled verification of n nodes takes n + 1 uniforms; greedy takes none."""
+    """A sampled verification takes one uniform per emitted token (k accepted: k + 1);
+    greedy takes none."""
     tree = TREE_A
     gen = make_generator(5, torch.Generator())
     twin = make_generator(5, torch.Generator())
-    verify_tree(tree_logits(tree), *tree, SamplingParams(), gen)
-    torch.rand(len(tree[0]) + 1, generator=twin, dtype=torch.float64)
-    assert torch.equal(gen.get_state(), twin.get_state())
+    for _ in range(20):
+        got = verify_tree(tree_logits(tree), *tree, SamplingParams(), gen)
+        for _ in got.tokens:
+            torch.rand(1, generator=twin, dtype=torch.float64)
+        assert torch.equal(gen.get_state(), twin.get_state())
     verify_tree(tree_logits(tree), *tree, GREEDY, gen)
     assert torch.equal(gen.get_state(), twin.get_state())
+
+
+def _markov_decode(seed: int, params: SamplingParams, n: int,
+                   draft: Callable[[list[int], random.Random], Tree] | None,
+                   batched: bool) -> list[int]:
+    """``n`` tokens of the Markov model from ``CONTEXT_LAST``, seeded: plain sampling
+    steps (``draft`` None) or verifications of the drafts ``draft(emitted, rng)`` gives."""
+    gen = make_generator(seed, torch.Generator())
+    rng = random.Random(seed)
+    out: list[int] = []
+    while len(out) < n:
+        last = out[-1] if out else CONTEXT_LAST
+        if draft is None:
+            out.extend(sample_batch(TABLE[torch.tensor([last])], [params], [gen]).tokens)
+            continue
+        tokens, parents = draft(out, rng)
+        logits = tree_logits((tokens, parents), last)
+        got = (verify_batch(logits, [TreeRows(0, tokens, parents)], [params], [gen])[0]
+               if batched else verify_tree(logits, tokens, parents, params, gen))
+        out.extend(got.tokens)
+    return out[:n]
+
+
+def _random_tree(_out: list[int], rng: random.Random) -> Tree:
+    n = rng.randrange(0, 7)
+    return (tuple(rng.randrange(V) for _ in range(n)),
+            tuple(rng.randrange(-1, i) for i in range(n)))
+
+
+def _likely_chain(_out: list[int], rng: random.Random) -> Tree:
+    k = rng.randrange(1, 5)
+    return (0,) * k, tuple(range(-1, k - 1))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7),
+                                    SamplingParams(temperature=1.3, top_p=0.8, top_k=4)])
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_seed_gives_the_same_tokens_whatever_the_drafts(
+        params: SamplingParams, batched: bool) -> None:
+    """The emitted token of every position is the target's own inverse-CDF draw: a seeded
+    generation is the same token for token with any drafts as without speculation."""
+    for seed in range(8):
+        plain = _markov_decode(seed, params, 60, None, batched)
+        for draft in (_random_tree, _likely_chain):
+            assert _markov_decode(seed, params, 60, draft, batched) == plain, (seed, draft)
+    assert len({tuple(_markov_decode(s, params, 60, None, batched)) for s in range(8)}) > 1
 
 
 def test_certain_and_impossible_children() -> None:

@@ -15,35 +15,34 @@ The walk, at a node whose row gives the target distribution ``p`` (``sampling_pr
 * greedy (temperature 0): ``t = argmax`` of the raw row; a child with token ``t`` is
   accepted and the walk moves to it; otherwise ``t`` is emitted and the walk stops. The
   output is exactly greedy decoding's.
-* temperature > 0: the residual ``r = p``; the children are tested in draft order; child
-  ``x`` is accepted with probability ``r(x) / sum(r)``, and if rejected ``r(x) = 0``. When
-  one is accepted the walk moves to it; when all are rejected (or there are none) the
-  emitted token is drawn from ``r / sum(r)`` and the walk stops.
+* temperature > 0: one uniform ``u`` is drawn from the request's generator and the token
+  ``y`` whose interval of the CDF of ``p`` holds it is taken (the inverse-CDF draw,
+  exactly as non-speculative sampling draws its token); a child with token ``y`` is
+  accepted and the walk moves to it, with the next uniform; otherwise ``y`` is emitted and
+  the walk stops.
 
-Why that is lossless (the drafts are deterministic: proposed without sampling, so their
-tokens carry no randomness of their own). Let ``x_1..x_k`` be the children's (distinct)
-tokens and ``R_j = 1 - p(x_1) - ... - p(x_{j-1})`` the residual mass when ``x_j`` is
-tested. ``x_j`` is tested with probability ``R_j`` (all earlier ones rejected) and then
-accepted with probability ``p(x_j) / R_j``, so it is the next token with probability
-``p(x_j)``. All are rejected with probability ``R_{k+1}``, and then a token ``y`` outside
-the children is drawn with probability ``p(y) / R_{k+1}``: ``p(y)`` overall. So the next
-token is distributed as ``p`` exactly. Given the next token, what follows is drawn from
-the row after it: the child's row (the target's logits after exactly that path) when it
-was a draft node, otherwise the next decoding step's. By induction on the position every
-emitted token has the target's conditional distribution given the tokens before it: the
-emitted sequence is distributed as non-speculative sampling's. (With randomly drawn
-drafts the draft's own distribution would enter and this simple rule would not suffice.)
+Why that is lossless: at every position the emitted token is ``y``, drawn from the target's
+distribution ``p`` of that position by the inverse CDF, whatever the draft; the draft only
+decides how many positions one forward pass settles (a child is accepted exactly when the
+target's own draw equals it: with probability ``p(x)`` for child ``x``, the sum over
+distinct siblings for a node with several, as for rejection sampling of deterministic
+drafts). Given the next token, what follows is drawn from the row after it: the child's
+row (the target's logits after exactly that path) when it was a draft node, otherwise
+the next decoding step's. So the emitted sequence is distributed as non-speculative
+sampling's. The drafts are deterministic (proposed without sampling); with randomly drawn
+drafts their own distribution would enter and this rule would not be optimal.
 
-Random draws: a sampled verification of a draft of ``n`` nodes takes exactly ``n + 1``
-uniforms from the request's generator in one call (acceptance tests use them in order,
-the final draw uses the last), whatever path it takes; greedy takes none. So
-``verify_tree`` and ``verify_batch`` make the same choices from the same generator state,
-and ``n = 0`` matches ``war.engine.sampling.sample_batch``.
+Random draws: one uniform per emitted token, in order, from the request's generator (a
+verification that accepts ``k`` draft nodes takes ``k + 1``); greedy takes none. A
+non-speculative step takes one for its one token (``war.engine.sampling.sample_batch``),
+so a seeded request emits the same tokens whatever its drafts, speculating or not, as long
+as the logits are the same (float rounding of another batch shape may move a draw that
+falls within rounding of an interval's edge). ``verify_tree`` and ``verify_batch`` make the
+same choices from the same generator states.
 
-Numerical guards: a child of probability 0 is never accepted (its test still uses its
-uniform); the running residual mass is ``sum(p)`` minus the rejected probabilities, and a
-child is accepted outright when that mass is not above its probability; should rounding
-leave an all-zero residual, the final token is drawn from ``p`` itself.
+Numerical guards: a token of probability 0 is never drawn (``sample_from_probs``), so
+such a child is never accepted; a duplicated sibling is the same token, accepted as its
+first occurrence.
 """
 
 from __future__ import annotations
@@ -122,54 +121,6 @@ def _greedy_walk(
         row = nxt + 1
 
 
-def _sampling_walk(
-    kids: list[list[int]],
-    tokens: Sequence[int],
-    child_prob: Callable[[int], float],
-    row_mass: Callable[[int], float],
-    uniforms: Sequence[float],
-) -> tuple[list[int], int, list[int]]:
-    """Accepted nodes, the final row, and the tokens rejected there (to zero in its
-    residual). ``child_prob(i)``: ``p`` of node ``i``'s token in its parent's row."""
-    accepted: list[int] = []
-    row = 0
-    used = 0
-    while True:
-        if not kids[row]:  # a leaf (or no draft): nothing to test here
-            return accepted, row, []
-        mass = row_mass(row)
-        rejected: list[int] = []
-        nxt = -1
-        for c in kids[row]:
-            tok = tokens[c]
-            prob = 0.0 if tok in rejected else child_prob(c)  # a duplicate sibling: r = 0
-            u = uniforms[used]
-            used += 1
-            if prob > 0.0 and u * mass < prob:
-                nxt = c
-                break
-            mass -= prob
-            rejected.append(tok)
-        if nxt < 0:
-            return accepted, row, rejected
-        accepted.append(nxt)
-        row = nxt + 1
-
-
-def _residual_draw(probs: Tensor, rejected: Sequence[Sequence[int]], uniforms: Tensor) -> Tensor:
-    """One token per row of ``probs`` from the row with its ``rejected`` tokens zeroed."""
-    rows = [i for i, toks in enumerate(rejected) for _ in toks]
-    if not rows:  # nothing rejected (no draft, or every draft token accepted)
-        return sample_from_probs(probs, uniforms)
-    residual = probs.clone()
-    cols = [t for toks in rejected for t in toks]
-    device = probs.device
-    residual[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = 0.0
-    mass = residual.sum(dim=-1, keepdim=True)
-    residual = torch.where(mass > 0.0, residual, probs)
-    return sample_from_probs(residual, uniforms)
-
-
 def _shifted(values: list[_T], base: int) -> Callable[[int], _T]:
     """``i -> values[base + i]``."""
     return lambda i: values[base + i]
@@ -203,29 +154,22 @@ def verify_tree(
     vocab = logits.shape[1]
     kids = _children(draft_tokens, parents, vocab)
     tokens = [int(t) for t in draft_tokens]
-    parent_rows = [int(p) + 1 for p in parents]
     if params.greedy:
         accepted, _, last = _greedy_walk(kids, tokens, lambda r: int(logits[r].argmax()))
     else:
         if generator is None:
             raise ValueError("a generator is needed when temperature > 0")
-        uniforms = draw_uniforms(generator, n + 1)
-        cache: dict[int, tuple[Tensor, float]] = {}
-
-        def row(r: int) -> tuple[Tensor, float]:
-            if r not in cache:
-                probs = sampling_probs(logits[r : r + 1], params)[0]
-                cache[r] = (probs, float(probs.sum()))
-            return cache[r]
-
-        accepted, final, rejected = _sampling_walk(
-            kids,
-            tokens,
-            lambda c: float(row(parent_rows[c])[0][tokens[c]]),
-            lambda r: row(r)[1],
-            uniforms.tolist(),
-        )
-        last = int(_residual_draw(row(final)[0].unsqueeze(0), [rejected], uniforms[n:])[0])
+        accepted = []
+        r = 0
+        while True:  # (rows are softmaxed as the walk reaches them)
+            probs = sampling_probs(logits[r : r + 1], params)
+            y = int(sample_from_probs(probs, draw_uniforms(generator, 1))[0])
+            nxt = next((c for c in kids[r] if tokens[c] == y), -1)
+            if nxt < 0:
+                last = y
+                break
+            accepted.append(nxt)
+            r = nxt + 1
     emitted = [tokens[c] for c in accepted] + [last]
     rows = [0] + [c + 1 for c in accepted]
     return Verified(tuple(accepted), tuple(emitted), tuple(_emitted(logits, rows, emitted)))
@@ -244,49 +188,35 @@ def _sampled_walks(
     rows: list[int] = []
     row_params: list[SamplingParams] = []
     bases: list[int] = []  # tree j's row 0 is row bases[j] of ``probs``
-    child_rows: list[int] = []
-    child_cols: list[int] = []
     for tree, tokens, sp in zip(trees, tokens_of, params, strict=True):
-        base = len(rows)
-        bases.append(base)
+        bases.append(len(rows))
         rows.extend(range(tree.start, tree.start + 1 + len(tokens)))
         row_params.extend([sp] * (1 + len(tokens)))
-        child_rows.extend(base + 1 + p for p in tree.parents)
-        child_cols.extend(tokens)
     probs = sampling_probs_rows(logits[torch.tensor(rows, device=device)], row_params)
-    masses: list[float] = []  # (read by the walks only where a tree has nodes)
-    child_p: list[float] = []  # node i of tree j: child_p[(nodes of trees < j) + i]
-    if child_rows:
-        masses = probs.sum(dim=-1).tolist()
-        child_p = probs[torch.tensor(child_rows, device=device),
-                        torch.tensor(child_cols, device=device)].tolist()
-    accepted_of: list[list[int]] = []
-    finals: list[int] = []
-    rejected_of: list[list[int]] = []
-    last_uniforms: list[float] = []
-    child_base = 0
-    for j, (gen, base) in enumerate(zip(generators, bases, strict=True)):
+    accepted_of: list[list[int]] = [[] for _ in trees]
+    lasts: list[int] = [-1] * len(trees)
+    at = [0] * len(trees)  # the row (of its own tree) each walk is at
+    active = list(range(len(trees)))
+    gens: list[torch.Generator] = []
+    for gen in generators:
         if gen is None:
             raise ValueError("a tree samples (temperature > 0) but has no generator")
-        n = len(tokens_of[j])
-        uniforms: list[float] = draw_uniforms(gen, n + 1).tolist()
-        accepted, final, rejected = _sampling_walk(
-            kids_of[j],
-            tokens_of[j],
-            _shifted(child_p, child_base),
-            _shifted(masses, base),
-            uniforms,
-        )
-        accepted_of.append(accepted)
-        finals.append(base + final)
-        rejected_of.append(rejected)
-        last_uniforms.append(uniforms[n])
-        child_base += n
-    lasts: list[int] = _residual_draw(
-        probs[torch.tensor(finals, device=device)],
-        rejected_of,
-        torch.tensor(last_uniforms, dtype=torch.float64),
-    ).tolist()
+        gens.append(gen)
+    while active:  # one position of every walk still going: one draw each, batched
+        uniforms = torch.cat([draw_uniforms(gens[j], 1) for j in active])
+        index = torch.tensor([bases[j] + at[j] for j in active], device=device)
+        ys: list[int] = sample_from_probs(probs[index], uniforms).tolist()
+        going = []
+        for j, y in zip(active, ys, strict=True):
+            tokens = tokens_of[j]
+            nxt = next((c for c in kids_of[j][at[j]] if tokens[c] == y), -1)
+            if nxt < 0:
+                lasts[j] = y
+                continue
+            accepted_of[j].append(nxt)
+            at[j] = nxt + 1
+            going.append(j)
+        active = going
     return list(zip(accepted_of, lasts, strict=True))
 
 
