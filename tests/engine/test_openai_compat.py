@@ -6,7 +6,8 @@ instead), and ``seed`` reproducing a sample, speculating or not."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from war.engine.engine import Engine
 from war.engine.loader import init_random
 from war.engine.model_config import ModelConfig
 from war.engine.server import create_app
+from war.rollout.fingerprint import model_fingerprint
 
 
 def _engine(spec_mode: str = "auto") -> Engine:
@@ -121,3 +123,39 @@ def test_a_seed_reproduces_the_sample(spec_mode: str) -> None:
         finally:
             asyncio.run(ae.close())
     assert all(o == outs[0] for o in outs) and len(outs[0]) == 8, outs
+
+
+def test_models_state_the_served_weights_fingerprint(
+        tmp_path: Path, random_policy: Path,
+        make_random_policy: Callable[[Path, int], Path]) -> None:
+    """``/v1/models`` says which weights it samples from (the model folder's content
+    fingerprint, then the one of each ``/v1/weights`` folder), so that a rollout run can
+    check the servers serve its model; weights loaded past the server have none."""
+    ae = AsyncEngine(Engine.from_pretrained(random_policy,
+                                            EngineConfig(kv_cache_bytes=4_000_000)))
+    other = make_random_policy(tmp_path / "step1", 1)
+    try:
+        app = create_app(ae, model_name="p", model_folder=random_policy,
+                         fingerprint=model_fingerprint)
+        with TestClient(app) as c:
+            def card() -> dict[str, Any]:
+                data: dict[str, Any] = c.get("/v1/models").json()["data"][0]
+                return data
+            first = card()
+            assert first["weights_fingerprint"] == model_fingerprint(random_policy)
+            assert first["weights_fingerprint"] is not None
+            r = c.post("/v1/weights", json={"path": str(other)})
+            assert r.status_code == 200, r.text
+            assert r.json()["weights_fingerprint"] == model_fingerprint(other)
+            assert card()["weights_fingerprint"] == model_fingerprint(other)
+            assert card()["weights_fingerprint"] != first["weights_fingerprint"]
+            assert c.get("/v1/models/p").json()["weights_fingerprint"] == model_fingerprint(other)
+            bad = c.post("/v1/weights", json={"path": str(tmp_path / "missing")})
+            assert bad.status_code == 400  # (nothing changed: the same weights, stated)
+            assert card()["weights_fingerprint"] == model_fingerprint(other)
+            asyncio.run(ae.load_weights(random_policy))  # (past the server: not known)
+            assert card()["weights_fingerprint"] is None
+        with TestClient(create_app(ae, model_name="p")) as c:  # (no fingerprint given)
+            assert c.get("/v1/models").json()["data"][0]["weights_fingerprint"] is None
+    finally:
+        asyncio.run(ae.close())

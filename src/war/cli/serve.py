@@ -133,7 +133,7 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"cannot load the model with a {args.kv_cache_mb} MiB KV cache "
                              f"on {args.device}: out of memory (try a smaller --kv-cache-mb)"
                              ) from None
-        aio.run(_serve(engine, args.served_model_name, api_key, sock, args.log_level))
+        aio.run(_serve(engine, args.served_model_name, api_key, sock, args.log_level, folder))
     return 0
 
 
@@ -160,13 +160,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def _serve(engine: Engine, model_name: str, api_key: str | None, sock: socket.socket,
-                 log_level: str) -> None:
+                 log_level: str, folder: Path) -> None:
     import uvicorn
 
     from war.engine.async_engine import AsyncEngine
     from war.engine.server import create_app
+    from war.rollout.fingerprint import model_fingerprint
 
     async with AsyncEngine(engine) as async_engine:
-        app = create_app(async_engine, model_name=model_name, api_key=api_key)
+        app = create_app(async_engine, model_name=model_name, api_key=api_key,
+                         model_folder=folder, fingerprint=model_fingerprint)
         config = uvicorn.Config(app, log_level=log_level, access_log=False)
         await uvicorn.Server(config).serve(sockets=[sock])

@@ -22,7 +22,8 @@ import dataclasses
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -329,12 +330,23 @@ class _Completions:
 
 
 def create_app(async_engine: AsyncEngine, model_name: str = "war",
-               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, *,
+               model_folder: str | Path | None = None,
+               fingerprint: Callable[[str | Path], str | None] | None = None) -> FastAPI:
     """A FastAPI app serving ``async_engine`` (started here if it is not running yet;
     closing it stays with the caller). With ``api_key``, every endpoint but
     ``/health`` needs ``Authorization: Bearer <api_key>``. A request body over
-    ``max_body_bytes`` is a 413."""
+    ``max_body_bytes`` is a 413. With ``fingerprint`` (a content fingerprint of a model
+    folder: ``war.rollout.fingerprint.model_fingerprint``), ``/v1/models`` states the
+    served weights' ``weights_fingerprint``: ``model_folder``'s at the start, the
+    folder's of each ``/v1/weights`` since (``null`` without them), so that a client
+    can tell which weights it is sampling from."""
     async_engine.start()
+    # (the fingerprint of the weights of one version: stated only while they are served;
+    # weights loaded otherwise, say through the engine itself, have none)
+    served: dict[int, str | None] = {async_engine.weight_version: fingerprint(model_folder)
+                                     if fingerprint is not None and model_folder is not None
+                                     else None}
     app = FastAPI(title="WAR replica", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ReplicaMetrics(async_engine)
     completions = _Completions(async_engine, model_name)
@@ -428,7 +440,8 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
         return {"id": model_name, "object": "model", "created": 0, "owned_by": "war",
                 "max_model_len": completions.max_model_len,
                 "vocab_size": completions.vocab_size,
-                "weight_version": async_engine.weight_version}
+                "weight_version": async_engine.weight_version,
+                "weights_fingerprint": served.get(async_engine.weight_version)}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -503,7 +516,10 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
                            param="path") from None
         except EngineClosedError as e:
             raise APIError(503, str(e), "server_error", "engine_closed") from None
-        return {"status": "ok", "weight_version": version}
+        served.clear()
+        served[version] = fingerprint(body.path) if fingerprint is not None else None
+        return {"status": "ok", "weight_version": version,
+                "weights_fingerprint": served[version]}
 
     @app.post("/v1/rl_step")
     async def rl_step(body: RLStepRequest) -> dict[str, Any]:
