@@ -12,8 +12,9 @@ import contextlib
 import json
 import logging
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,8 +32,15 @@ from war.engine.loader import init_random
 from war.engine.model_config import ModelConfig
 from war.engine.server import create_app
 from war.rollout import run as run_mod
-from war.rollout.remote import KEY_ENV, Endpoint
-from war.rollout.run import SETTINGS_FILE, RunConfig, load_run_config, run_rollout
+from war.rollout.remote import KEY_ENV, Endpoint, connect
+from war.rollout.run import (
+    SETTINGS_FILE,
+    RunConfig,
+    check_run_settings,
+    load_run_config,
+    run_rollout,
+    trajectory_settings,
+)
 from war.rollout.trajectory import read_jsonl
 
 ENGINE = EngineConfig(kv_cache_bytes=8_000_000)
@@ -40,17 +48,18 @@ KEY = "s3cret-key"
 
 
 @contextlib.contextmanager
-def servers(policy: Path, n: int, api_key: str | None = None
+def servers(policy: Path, n: int, api_key: str | None = None,
+            wrap: Callable[[Any], Any] = lambda app: app
             ) -> Iterator[list[tuple[str, Any, AsyncEngine]]]:
     """``n`` war serve apps of ``policy`` on loopback ports: (url, uvicorn server,
-    engine) each; closed at the end."""
+    engine) each; closed at the end. ``wrap``: what each app is served as (ASGI)."""
     engines = [AsyncEngine(Engine.from_pretrained(policy, ENGINE)) for _ in range(n)]
     with contextlib.ExitStack() as stack:
         out = []
         for engine in engines:
             engine.start()
             url, server = stack.enter_context(
-                serve(create_app(engine, model_name="policy", api_key=api_key)))
+                serve(wrap(create_app(engine, model_name="policy", api_key=api_key))))
             out.append((url, server, engine))
         try:
             yield out
@@ -127,7 +136,10 @@ def test_endpoints_from_the_command_line_and_the_servers_key(
         assert not (tmp_path / "runs").exists()  # (a refused start leaves no folder)
         monkeypatch.setenv(KEY_ENV, KEY)
         assert _run(config, "--endpoint", url) == 0
-    assert len(read_jsonl(tmp_path / "runs" / "r" / "trajectories.jsonl")) == 3 * 2
+    run_dir = tmp_path / "runs" / "r"
+    assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 3 * 2
+    for name in ("summary.json", SETTINGS_FILE):  # (the config is there, never the key)
+        assert KEY not in (run_dir / name).read_text()
 
 
 def test_resuming_on_servers_that_saw_later_steps(
@@ -292,3 +304,147 @@ def test_the_library_config() -> None:
     assert not RunConfig().remote
     with pytest.raises(ValueError, match="applies to endpoints only"):
         RunConfig(routing_policy="groups")
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (KEY + "\n", f"{KEY_ENV} holds a control or non-ASCII character (a trailing newline?)"),
+    (KEY + "\r", f"{KEY_ENV} holds a control or non-ASCII character"),
+    (" \t ", f"{KEY_ENV} is blank"),
+])
+def test_a_key_that_cannot_be_sent_is_one_error_naming_the_variable(
+        tmp_path: Path, random_policy: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, value: str, message: str) -> None:
+    monkeypatch.setenv(KEY_ENV, value)
+    config = _write_config(tmp_path, random_policy, [])
+    assert _run(config, "--endpoint", "http://127.0.0.1:9") == 1  # (never contacted)
+    err = _err(capsys)
+    assert message in err and KEY not in err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("urls", [
+    ["http://H:1", "http://h:1/"],
+    ["http://h", "http://h:80"],
+    ["https://h:443/p", "HTTPS://h/p/"],
+    ["http://[::1]:8000", "http://[::1]:8000/"],
+])
+def test_one_server_spelled_twice_is_refused(urls: list[str]) -> None:
+    with pytest.raises(ValueError, match=r"more than once.*name each server once"):
+        RunConfig(endpoints=urls)  # type: ignore[arg-type]
+
+
+def test_servers_that_differ_only_by_path_or_port_are_two() -> None:
+    urls = ("http://h/a", "http://h/b", "http://h:81/a", "https://h/a", "http://[::1]:8000")
+    assert RunConfig(endpoints=urls).endpoints == urls
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:  # (bound, never listening: connections are refused)
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_fleet_of_faults_is_one_line_of_bounded_length() -> None:
+    port = _closed_port()
+    urls = [f"http://127.0.0.1:{port}/r{i}" for i in range(20)]
+    with pytest.raises(ValueError) as info:
+        asyncio.run(connect(urls, 10, probe_timeout_s=5))
+    message = str(info.value)
+    assert "cannot serve it (20 of 20)" in message and "and 12 more" in message
+    assert "endpoint7 (" in message and "endpoint8 (" not in message
+
+
+def _hanging(paths: set[str], release: threading.Event) -> Callable[[Any], Any]:
+    """An ASGI wrapper whose calls to ``paths`` get no answer until ``release`` is set (a
+    server that accepts connections but does not answer them)."""
+    def wrap(app: Any) -> Any:
+        async def hanging(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and scope["path"] in paths:
+                while not release.is_set():
+                    await asyncio.sleep(0.02)
+            await app(scope, receive, send)
+        return hanging
+    return wrap
+
+
+def test_cancelled_while_connecting_leaves_no_endpoint_open(
+        random_policy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    closed: list[str] = []
+    close = Endpoint.close
+
+    async def recording(self: Endpoint) -> None:
+        closed.append(self.name)
+        await close(self)
+
+    monkeypatch.setattr(Endpoint, "close", recording)
+    release = threading.Event()
+    try:
+        with servers(random_policy, 2, wrap=_hanging({"/v1/models"}, release)) as fleet:
+            with pytest.raises(TimeoutError):  # (Ctrl-C, or a caller's bound)
+                asyncio.run(asyncio.wait_for(connect([u for u, _, _ in fleet], 10), 0.5))
+            release.set()
+    finally:
+        release.set()
+    assert sorted(closed) == ["endpoint0", "endpoint1"]
+
+
+@pytest.mark.parametrize("routing", ["groups", "round_robin"])
+def test_an_endpoint_that_does_not_take_the_rl_step_holds_up_no_step(
+        tmp_path: Path, random_policy: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch, routing: str) -> None:
+    # (groups: the run's own bound, shortened here; the router: its health timeout)
+    monkeypatch.setattr(run_mod, "STEP_TIMEOUT_S", 0.2)
+    release = threading.Event()
+    try:
+        with servers(random_policy, 1, wrap=_hanging({"/v1/rl_step"}, release)) as fleet:
+            cfg = load_run_config(_write_config(tmp_path, random_policy, [fleet[0][0]],
+                                                steps=1, routing_policy=routing))
+            with caplog.at_level(logging.WARNING, logger="war.rollout.run"):
+                # (bounded well below a generation's timeout, which bounded it before)
+                result = asyncio.run(asyncio.wait_for(run_rollout(cfg), 30))
+            release.set()
+    finally:
+        release.set()
+    assert any("endpoint0 did not take RL step 0" in r.getMessage() for r in caplog.records)
+    assert len(result.trajectories) == 3 * 2
+    assert all(t.finish_reason != "error" for t in result.trajectories), [
+        t.error for t in result.trajectories]
+
+
+def test_a_quiet_run_does_not_poll_the_endpoints_load(
+        tmp_path: Path, random_policy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    polls: list[str] = []
+    load = Endpoint.load
+
+    async def counting(self: Endpoint) -> Any:
+        polls.append(self.name)
+        return await load(self)
+
+    monkeypatch.setattr(Endpoint, "load", counting)
+    with servers(random_policy, 1) as fleet:
+        config = _write_config(tmp_path, random_policy, [fleet[0][0]], steps=1,
+                               routing_policy="groups")  # (no router: it polls load too)
+        assert _run(config) == 0  # (--quiet: no bars, so no progress line to poll for)
+    assert polls == []
+
+
+@pytest.mark.parametrize("first_remote", [True, False])
+def test_a_resume_across_endpoints_and_local_replicas_says_so(
+        tmp_path: Path, random_policy: Path, first_remote: bool) -> None:
+    base = {"name": "r", "model": str(random_policy), "output_dir": str(tmp_path)}
+    on_endpoints = RunConfig(**base, endpoints=("http://127.0.0.1:9",))  # type: ignore[arg-type]
+    local = RunConfig(**base)  # type: ignore[arg-type]
+    earlier, now = (on_endpoints, local) if first_remote else (local, on_endpoints)
+    folder = tmp_path / "r"
+    folder.mkdir()
+    (folder / SETTINGS_FILE).write_text(json.dumps(trajectory_settings(earlier)))
+    (folder / "trajectories.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError) as info:
+        check_run_settings(now)
+    message = str(info.value)
+    engine = json.dumps({"dtype": local.engine.dtype, "max_model_len": None})
+    change = f"engine: null -> {engine}" if first_remote else f"engine: {engine} -> null"
+    assert change in message and "(not recorded)" not in message, message
+    was, then = ("endpoints", "local replicas") if first_remote else (
+        "local replicas", "endpoints")
+    assert f"made on {was} and this run is on {then}" in message

@@ -240,11 +240,14 @@ async def _run_with_progress(cfg: RunConfig, console: Console, quiet: bool) -> R
             await asyncio.sleep(0.5)
 
     with progress:
-        ticker = asyncio.create_task(refresh())
+        # (no bars, no polls: a fleet's endpoints are not asked their load for nothing)
+        ticker = None if quiet else asyncio.create_task(refresh())
         try:
             return await run_rollout(cfg, on_done=on_done, on_step=on_step, replicas=replicas)
         finally:
-            ticker.cancel()
+            if ticker is not None:
+                ticker.cancel()
+                await asyncio.wait([ticker])  # (its polls end before the endpoints close)
             if cfg.remote:
                 await close_all(replicas)
             else:

@@ -38,6 +38,13 @@ GROUPS = "groups"
 endpoint, as they go to local replicas."""
 PROBE_TIMEOUT_S = 10.0
 """How long an endpoint's ``/v1/models`` may take when a run connects."""
+STEP_TIMEOUT_S = 5.0
+"""How long an endpoint may take to take an RL step (``POST /v1/rl_step``), the
+router's health timeout: one that accepts connections but does not answer holds up no
+step longer (not a generation's timeout, minutes)."""
+MAX_FAULTS_SHOWN = 8
+"""Endpoints a refused connection names one by one (the rest are counted): a fleet's
+worth of faults is no one-line error."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,13 @@ def replica_api_key() -> str | None:
     """``$WAR_REPLICA_API_KEY`` (``None`` when unset or empty); ValueError when it holds
     whitespace only (the backend refuses one that would break its header itself)."""
     key = os.environ.get(KEY_ENV) or None
-    if key is not None and not key.strip():
+    if key is None:
+        return None
+    # (checked here, not by the backend, whose message would name no variable)
+    if any((c < " " and c != "\t") or c >= "\x7f" for c in key):
+        raise ValueError(f"{KEY_ENV} holds a control or non-ASCII character (a trailing "
+                         "newline?)")
+    if not key.strip():
         raise ValueError(f"{KEY_ENV} is blank")
     return key
 
@@ -118,8 +131,12 @@ async def connect(urls: Sequence[str], vocab_size: int,
     out = {f"endpoint{i}": Endpoint(f"endpoint{i}", url, key,
                                     health_timeout_s=probe_timeout_s)
            for i, url in enumerate(urls)}
-    answers = await asyncio.gather(*(e.models() for e in out.values()),
-                                   return_exceptions=True)
+    try:
+        answers = await asyncio.gather(*(e.models() for e in out.values()),
+                                       return_exceptions=True)
+    except BaseException:  # (cancelled, Ctrl-C: the probes' connections are closed)
+        await asyncio.shield(close_all(out))
+        raise
     faults = []
     for (name, endpoint), answer in zip(out.items(), answers, strict=True):
         where = f"{name} ({endpoint.base_url})"
@@ -143,7 +160,10 @@ async def connect(urls: Sequence[str], vocab_size: int,
                     "the run's model folder?")
     if faults:
         await close_all(out)
-        raise ValueError("the run's endpoints cannot serve it: " + "; ".join(faults))
+        shown = faults if len(faults) <= MAX_FAULTS_SHOWN + 1 else [
+            *faults[:MAX_FAULTS_SHOWN], f"and {len(faults) - MAX_FAULTS_SHOWN} more"]
+        raise ValueError(f"the run's endpoints cannot serve it ({len(faults)} of "
+                         f"{len(out)}): " + "; ".join(shown))
     return out
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 import yaml
 
@@ -45,9 +46,10 @@ from war.rollout.driver import RolloutConfig, run_step_async, trajectory_id
 from war.rollout.envs import Task, names, sample_tasks
 from war.rollout.fingerprint import model_fingerprint
 from war.rollout.limits import MAX_REPLICAS, MAX_TORCH_THREADS
-from war.rollout.remote import GROUPS, Endpoint, close_all, connect, routed
+from war.rollout.remote import GROUPS, STEP_TIMEOUT_S, Endpoint, close_all, connect, routed
 from war.rollout.trajectory import Trajectory, write_parquet
 from war.router.policies import POLICIES
+from war.router.router import Router
 from war.spec.config import SpecConfig
 
 log = logging.getLogger(__name__)
@@ -172,9 +174,17 @@ class RunConfig:
                 urls.append(check_base_url(url))
             except ValueError as exc:
                 raise ValueError(f"endpoints: {exc}") from None
-        twice = sorted({u for u in urls if urls.count(u) > 1})
-        if twice:  # (one server counted twice would take twice its share)
-            raise ValueError(f"endpoints lists {twice} more than once; name each server once")
+        # (one server counted twice would take twice its share; HTTP://H:80 is http://h)
+        spellings: dict[tuple[str, str, int | None, str], list[str]] = {}
+        for url in urls:
+            spellings.setdefault(_server_key(url), []).append(url)
+        twice = sorted(v[0] for v in spellings.values() if len(v) > 1)
+        if twice:
+            same = "; ".join(" = ".join(dict.fromkeys(v)) for v in spellings.values()
+                             if len(set(v)) > 1)
+            raise ValueError(f"endpoints lists {twice} more than once"
+                             f"{f' ({same}: the same server)' if same else ''}; "
+                             "name each server once")
         object.__setattr__(self, "endpoints", tuple(urls))
         policy = self.routing_policy
         if policy is None:
@@ -194,6 +204,13 @@ class RunConfig:
 
 LOCAL_ONLY = ("replicas", "torch_threads", "engine")
 """``RunConfig`` settings of local replicas, refused in a config that sets endpoints."""
+
+
+def _server_key(url: str) -> tuple[str, str, int | None, str]:
+    """What names a server in a base URL (checked by ``check_base_url``): the scheme and
+    host in lower case, the port unless it is the scheme's default, the path."""
+    u = httpx.URL(url)
+    return u.scheme, u.host, u.port, u.raw_path.decode("ascii").rstrip("/")
 
 
 def _is_int(value: Any) -> bool:
@@ -400,7 +417,7 @@ def settings_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str
     """``"setting: old -> new"`` for each setting (dotted: ``agent.temperature``) whose
     value differs between two ``trajectory_settings``; one missing from either side
     shows as ``(not recorded)``."""
-    a, b = _flatten(old), _flatten(new)
+    a, b = _flatten(old, new), _flatten(new, old)
     missing = "(not recorded)"
     out = []
     for key in sorted(set(a) | set(b)):
@@ -414,11 +431,16 @@ def _shown(value: Any, missing: str) -> str:
     return missing if value is missing else json.dumps(value)
 
 
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def _flatten(d: Mapping[str, Any], other: Mapping[str, Any], prefix: str = ""
+             ) -> dict[str, Any]:
+    """``d`` with dotted keys, but for a mapping that ``other`` (the settings it is
+    compared with) holds as something else (a run on endpoints' ``engine: null``): kept
+    whole, so that the change shows as one, ``engine: null -> {...}``."""
     out: dict[str, Any] = {}
     for key, value in d.items():
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, f"{prefix}{key}."))
+        there = other.get(key, {})
+        if isinstance(value, Mapping) and isinstance(there, Mapping):
+            out.update(_flatten(value, there, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -486,6 +508,11 @@ def _check_settings(cfg: RunConfig, new: Mapping[str, Any]) -> None:
     folder = run_folder(cfg)
     how = (f"use a new run folder (another name or output_dir), or delete "
            f"{folder / TRAJECTORIES_FILE} to start afresh")
+    if "engine" in a and "engine" in b and (a["engine"] is None) != (b["engine"] is None):
+        was, now = ("endpoints", "local replicas") if a["engine"] is None else (
+            "local replicas", "endpoints")
+        how = (f"its trajectories were made on {was} and this run is on {now}, whose "
+               f"engines' dtype and context length are not known to be the same; {how}")
     if both and old_fp != new_fp:
         model = b.get("model") or "the built-in policy"
         more = f"; and other settings differ: {'; '.join(changes)}" if changes else ""
@@ -704,7 +731,8 @@ async def _run_rollout(
         pool = task_pool(cfg)
         for step in range(cfg.steps):
             tasks = step_tasks(pool, cfg.tasks_per_step, cfg.seed, step)
-            await _observe_step(reps, step, cfg.remote)
+            await _observe_step(reps, step, cfg.remote,
+                                None if fleet is None else fleet.router)
             if on_step is not None:
                 on_step(step, tasks)
             t0 = time.perf_counter()
@@ -736,23 +764,42 @@ async def _run_rollout(
     return result
 
 
-async def _observe_step(replicas: Mapping[str, Any], step: int, remote: bool) -> None:
+async def _observe_step(replicas: Mapping[str, Any], step: int, remote: bool,
+                        router: Router | None = None) -> None:
     """Tells every replica that RL step ``step`` begins (its draft history's window).
     Local engines must take it; an endpoint that refuses it (a server that outlives runs
-    has seen later steps: its window follows those) or does not answer (the router's
-    health checks deal with it) is warned of, and the step goes on."""
+    has seen later steps: its window follows those), fails or does not answer within
+    ``STEP_TIMEOUT_S`` (with a ``router``, its health timeout) is warned of, and the step
+    goes on. With a ``router`` the endpoints are told through it: it skips those down
+    and tells one that rejoins later."""
     if not remote:
         for r in replicas.values():
             await r.observe_rl_step(step)
         return
-    answers = await asyncio.gather(*(r.observe_rl_step(step) for r in replicas.values()),
-                                   return_exceptions=True)
-    for name, answer in zip(replicas, answers, strict=True):
-        if isinstance(answer, (ValueError, ReplicaUnavailable)):
+    told: dict[str, str]
+    if router is not None:
+        told = await router.observe_rl_step(step)
+    else:
+        async def one(r: Any) -> None:
+            async with asyncio.timeout(STEP_TIMEOUT_S):
+                await r.observe_rl_step(step)
+
+        answers = await asyncio.gather(*(one(r) for r in replicas.values()),
+                                       return_exceptions=True)
+        told = {}
+        for name, answer in zip(replicas, answers, strict=True):
+            if isinstance(answer, TimeoutError):
+                told[name] = f"no answer within {STEP_TIMEOUT_S} s"
+            elif isinstance(answer, (ValueError, ReplicaUnavailable)):
+                told[name] = str(answer) or type(answer).__name__
+            elif isinstance(answer, BaseException):
+                raise answer
+    for name, outcome in told.items():
+        if outcome == "down":
+            outcome = "it is down; the router tells it when it rejoins"
+        if outcome not in ("ok", "unsupported"):
             log.warning("%s did not take RL step %d (its draft history window stays "
-                        "where it is): %s", name, step, answer)
-        elif isinstance(answer, BaseException):
-            raise answer
+                        "where it is): %s", name, step, outcome)
 
 
 def _noting(ids: set[str], on_done: Callable[[Trajectory], None] | None
