@@ -14,7 +14,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,6 +32,7 @@ from war.engine.loader import init_random
 from war.engine.model_config import ModelConfig
 from war.engine.server import create_app
 from war.rollout import run as run_mod
+from war.rollout.fingerprint import model_fingerprint
 from war.rollout.remote import KEY_ENV, Endpoint, connect
 from war.rollout.run import (
     SETTINGS_FILE,
@@ -49,17 +50,22 @@ KEY = "s3cret-key"
 
 @contextlib.contextmanager
 def servers(policy: Path, n: int, api_key: str | None = None,
-            wrap: Callable[[Any], Any] = lambda app: app
+            wrap: Callable[[Any], Any] = lambda app: app,
+            stated: Sequence[Path | None] = ()
             ) -> Iterator[list[tuple[str, Any, AsyncEngine]]]:
     """``n`` war serve apps of ``policy`` on loopback ports: (url, uvicorn server,
-    engine) each; closed at the end. ``wrap``: what each app is served as (ASGI)."""
+    engine) each; closed at the end. ``wrap``: what each app is served as (ASGI);
+    ``stated[i]``: the folder whose fingerprint server ``i`` states for its weights, as
+    ``war serve`` states its model folder's (none: it states none)."""
     engines = [AsyncEngine(Engine.from_pretrained(policy, ENGINE)) for _ in range(n)]
     with contextlib.ExitStack() as stack:
         out = []
-        for engine in engines:
+        for i, engine in enumerate(engines):
             engine.start()
-            url, server = stack.enter_context(
-                serve(wrap(create_app(engine, model_name="policy", api_key=api_key))))
+            folder = stated[i] if i < len(stated) else None
+            app = create_app(engine, model_name="policy", api_key=api_key,
+                             model_folder=folder, fingerprint=model_fingerprint)
+            url, server = stack.enter_context(serve(wrap(app)))
             out.append((url, server, engine))
         try:
             yield out
@@ -200,6 +206,23 @@ def _wait_refused(url: str, bound_s: float = 10.0) -> None:
 
 
 # ---------------------------------------------------------------- refusals
+
+
+def test_an_endpoint_serving_other_weights_is_refused(
+        tmp_path: Path, random_policy: Path, capsys: pytest.CaptureFixture[str],
+        make_random_policy: Callable[[Path, int], Path]) -> None:
+    other = make_random_policy(tmp_path / "step7", 7)  # (a checkpoint of another step)
+    with servers(random_policy, 2, stated=[random_policy, other]) as fleet:
+        config = _write_config(tmp_path, random_policy, [u for u, _, _ in fleet], steps=1)
+        assert _run(config) == 1
+        err = _err(capsys)
+        assert "(1 of 2)" in err and "endpoint0" not in err
+        assert (f"endpoint1 ({fleet[1][0]}) serves other weights than the run's model "
+                f"(weights_fingerprint {model_fingerprint(other)}, the model folder's "
+                f"{model_fingerprint(random_policy)})") in err
+        assert not (tmp_path / "runs").exists()
+    with servers(random_policy, 1, stated=[random_policy]) as fleet:  # (the same: runs)
+        assert _run(_write_config(tmp_path, random_policy, [fleet[0][0]], steps=1)) == 0
 
 
 def test_an_unreachable_endpoint_is_refused_before_any_work(

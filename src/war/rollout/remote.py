@@ -4,22 +4,24 @@ Knows: how a run connects to its endpoints before any work: each one's ``GET /v1
 is read, all at once and each within the probe's bound, and the run is refused, naming
 every endpoint at fault, when one does not answer, refuses the key, is not a ``war serve``
 replica (its answer states no ``max_model_len`` and ``vocab_size``: a ``war route``
-router, or another server) or serves a vocabulary smaller than the run's tokenizer (another
-model); what the run then sends turns to: the endpoints themselves, each a replica that
-states its context length (whole groups each, as local replicas take them), or one
+router, or another server), serves a vocabulary smaller than the run's tokenizer (another
+model) or states a fingerprint of the weights it serves other than the run's model's
+(another checkpoint); what the run then sends turns to: the endpoints themselves, each
+a replica that states its context length (whole groups each, as local replicas take them), or one
 in-process ``Router`` with a WAR routing policy over them (placement by KV locality,
 trajectory progress and load; health checks; a failed endpoint's requests sent elsewhere),
 which states the least of their context lengths. The key sent to the servers (their ``war
 serve --api-key``) is ``$WAR_REPLICA_API_KEY``'s, as ``war route`` sends it.
 
 Does not know how a server generates, nor the routing policies (``war.router``), nor
-which weights a server serves beyond its vocabulary's size (a run trusts that the
-endpoints serve its ``model``: its tokenizer and chat template come from that folder).
+which weights a server serves where it states no fingerprint (the run then trusts that
+it serves its ``model``, whose folder gives the tokenizer and chat template).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ from war.backends.http import WarHttpBackend
 from war.router.policies import make_policy
 from war.router.router import Router
 from war.types import GenRequest, GenResult
+
+log = logging.getLogger(__name__)
 
 KEY_ENV = "WAR_REPLICA_API_KEY"
 """The environment variable whose value is sent to the endpoints as their bearer token."""
@@ -55,6 +59,9 @@ class Served:
     max_model_len: int
     vocab_size: int
     weight_version: int
+    weights_fingerprint: str | None = None
+    """The served weights' content fingerprint (``war.rollout.fingerprint``), where the
+    server states it (``war serve`` does; ``None``: not known)."""
 
 
 class Endpoint(WarHttpBackend):
@@ -119,14 +126,19 @@ def parse_served(data: Any) -> Served:
     version = entry.get("weight_version", 0)
     return Served(model=str(entry.get("id", "")), max_model_len=values["max_model_len"],
                   vocab_size=values["vocab_size"],
-                  weight_version=version if isinstance(version, int) else 0)
+                  weight_version=version if isinstance(version, int) else 0,
+                  weights_fingerprint=fp if isinstance(fp := entry.get("weights_fingerprint"),
+                                                       str) and fp else None)
 
 
 async def connect(urls: Sequence[str], vocab_size: int,
-                  probe_timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Endpoint]:
+                  probe_timeout_s: float = PROBE_TIMEOUT_S,
+                  fingerprint: str | None = None) -> dict[str, Endpoint]:
     """One ``Endpoint`` per URL (``endpoint0``, ``endpoint1``, ...), each probed (see the
     module's docstring); ValueError naming every endpoint that cannot serve the run, with
-    nothing left open. ``vocab_size``: the run's tokenizer's."""
+    nothing left open. ``vocab_size``: the run's tokenizer's. ``fingerprint``: the run's
+    model's (``war.rollout.fingerprint``): an endpoint that states another for the weights
+    it serves is refused too; one that states none is trusted (and logged)."""
     key = replica_api_key()
     out = {f"endpoint{i}": Endpoint(f"endpoint{i}", url, key,
                                     health_timeout_s=probe_timeout_s)
@@ -158,6 +170,15 @@ async def connect(urls: Sequence[str], vocab_size: int,
                     f"{where} serves a vocabulary of {endpoint.served.vocab_size} tokens, "
                     f"fewer than the run's tokenizer's {vocab_size}: another model than "
                     "the run's model folder?")
+            served = endpoint.served.weights_fingerprint
+            if fingerprint is not None and served is not None and served != fingerprint:
+                faults.append(
+                    f"{where} serves other weights than the run's model (weights_fingerprint "
+                    f"{served}, the model folder's {fingerprint}): load the model's weights "
+                    "there (POST /v1/weights), or point model at the served checkpoint")
+            elif fingerprint is not None and served is None:
+                log.info("%s does not state which weights it serves; the run trusts that "
+                         "they are its model's", where)
     if faults:
         await close_all(out)
         shown = faults if len(faults) <= MAX_FAULTS_SHOWN + 1 else [

@@ -683,11 +683,13 @@ async def run_rollout(
 
 
 async def connect_endpoints(cfg: RunConfig, io: PolicyIO) -> dict[str, Endpoint]:
-    """The run's ``endpoints``, connected and checked against its tokenizer
-    (``war.rollout.remote.connect``; ValueError naming each that cannot serve it)."""
+    """The run's ``endpoints``, connected and checked against its tokenizer and its
+    model's fingerprint (``war.rollout.remote.connect``; ValueError naming each that
+    cannot serve it)."""
     if not cfg.remote:
         raise ValueError("the run has no endpoints (it runs local replicas)")
-    return await connect(cfg.endpoints, io.tokenizer.get_vocab_size())
+    return await connect(cfg.endpoints, io.tokenizer.get_vocab_size(),
+                         fingerprint=run_model_fingerprint(cfg))
 
 
 async def _run_rollout(
