@@ -9,7 +9,9 @@ progress, the loss curve and the per-environment success rates. The work itself 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 from pathlib import Path
 from typing import TypeAlias
 
@@ -55,6 +57,34 @@ def add_train_policy_command(commands: Subparsers) -> None:
 
 
 def run_train_policy(args: argparse.Namespace) -> int:
+    # a refused or failed run removes again the folders its checks made (--out and the
+    # report's folder, with those above them) while they are still empty
+    created = _missing_folders([args.out, *([args.json.parent] if args.json else [])])
+    try:
+        return _train_and_report(args)
+    except BaseException:
+        for folder in created:  # (deepest first; rmdir removes only an empty folder)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+def _missing_folders(paths: list[Path]) -> list[Path]:
+    """The folders among ``paths`` and above them that do not exist, deepest first."""
+    missing: set[Path] = set()
+    for path in paths:
+        for folder in (path, *path.parents):
+            try:
+                if os.path.lexists(folder):
+                    break
+            except (OSError, ValueError):
+                break
+            if folder.name not in ("", ".", ".."):  # (those name an existing folder)
+                missing.add(folder)
+    return sorted(missing, key=lambda f: len(f.parts), reverse=True)
+
+
+def _train_and_report(args: argparse.Namespace) -> int:
     from war.train.lm import check_seed
     from war.train.policy import (
         POLICY_FILES,
@@ -90,6 +120,9 @@ def run_train_policy(args: argparse.Namespace) -> int:
         if same_file(args.json, args.out):
             raise ValueError(f"--json {args.json} is the --out folder {args.out}; give the "
                              "report a file name of its own")
+        if Path(os.path.realpath(args.out)).is_relative_to(os.path.realpath(args.json)):
+            raise ValueError(f"--json {args.json} is a folder of the --out path {args.out} "
+                             "(made for the policy); give the report a file name of its own")
         check_output_file(args.json, "--json")
     check_policy_out(args.out, "--out")
     check_output_dir(args.out, "--out")

@@ -275,6 +275,8 @@ def train_policy_tokenizer(texts: Iterable[str], config: TokenizerConfig) -> Tok
     chat template's and tools' boilerplate becomes a few tokens) but never a newline,
     a digit (numbers are spelled digit by digit), ``.``, ``?`` or ``'``. Special tokens
     get the lowest ids in ``config.special_tokens`` order; every string round-trips."""
+    if isinstance(texts, str):  # its letters would be the texts: nothing to merge
+        raise ValueError("texts must be an iterable of strings, not one string")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split("\n", "isolated"),
@@ -397,9 +399,12 @@ def check_policy_out(out_dir: str | os.PathLike[str], what: str = "out_dir") -> 
     an index, a ``chat_template.jinja``...); and its parent folder takes the temporary
     folder the new policy is written to first. Raises ValueError naming ``what``."""
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{what} {out} exists and is not a folder")
-    foreign = _foreign_model_files(out)
+    try:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"{what} {out} exists and is not a folder")
+        foreign = _foreign_model_files(out)
+    except OSError as e:  # e.g. a name too long for the file system
+        raise ValueError(f"{what} {out}: {e.strerror or e}") from None
     if foreign:
         raise ValueError(f"{what} {out} holds another model's files ({', '.join(foreign)}), "
                          "which would mix with the new policy: choose another folder or "
@@ -428,7 +433,8 @@ def _write_policy(out: Path, write: Callable[[Path], None]) -> None:
     failed write leaves ``out`` as it was."""
     real = Path(os.path.realpath(out))  # a symlinked --out: replace what it points to
     real.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent))
+    # the name is cut so that the temporary's (and its ".old") fits where out's does
+    tmp = Path(tempfile.mkdtemp(prefix=f".{real.name[:32]}.", suffix=".tmp", dir=real.parent))
     try:
         write(tmp)
         # mkdtemp makes the folder private: give it the replaced folder's mode (or a

@@ -68,19 +68,21 @@ class TokenizerConfig:
                 f"vocab_size must hold the 256 bytes and {len(self.special_tokens)} special "
                 f"tokens, got {self.vocab_size}"
             )
-        if len(set(self.special_tokens)) != len(self.special_tokens):
-            raise ValueError(f"special_tokens has duplicates: {self.special_tokens!r}")
-        for tok in self.special_tokens:
+        for tok in self.special_tokens:  # (before the set below: a list is not hashable)
             if not isinstance(tok, str) or not tok:
                 raise ValueError(f"special tokens must be non-empty strings, got {tok!r}")
+        if len(set(self.special_tokens)) != len(self.special_tokens):
+            raise ValueError(f"special_tokens has duplicates: {self.special_tokens!r}")
 
 
 def train_tokenizer(texts: Iterable[str], config: TokenizerConfig | None = None) -> Tokenizer:
     """A byte-level BPE tokenizer fitted to ``texts``.
 
-    Special tokens inside the texts are not split by pre-tokenization but are
-    counted as text by the trainer; they encode as their single ids afterwards.
+    Special tokens inside the texts are not counted by the trainer (each is read as a
+    newline), so no merge learns their pieces; they encode as their single ids afterwards.
     """
+    if isinstance(texts, str):  # its letters would be the texts: nothing to merge
+        raise ValueError("texts must be an iterable of strings, not one string")
     cfg = config if config is not None else TokenizerConfig()
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
