@@ -1,9 +1,9 @@
 """A lean HTTP/1.1 client for the calls WAR makes to replicas, many times a second.
 
 Knows: one origin (scheme, host, port), a pool of keep-alive connections to it (at
-most ``max_connections``, idle ones closed after ``keepalive_s``), how to write a
-request with a whole body in one write, and how to read a response with
-``httptools``' parser (the C parser uvicorn uses: content-length, chunked or
+most ``max_connections``, idle ones closed after ``keepalive_s``, by the pool's next
+call), how to write a request with a whole body in one write, and how to read a
+response with ``httptools``' parser (the C parser uvicorn uses: content-length, chunked or
 connection-delimited bodies). Every call has a total timeout and a connect timeout.
 A pooled connection found closed (the server's FIN read, the transport closing) is
 not used. A call whose request was not written at all goes on a new connection; one
@@ -229,6 +229,7 @@ class Pool:
         if max_response_bytes < 1:
             raise ValueError(f"max_response_bytes must be >= 1, got {max_response_bytes}")
         self.max_response_bytes = max_response_bytes
+        self.max_connections = max_connections
         self.host = host
         self.port = port
         self.tls = tls
@@ -296,13 +297,16 @@ class Pool:
         try:
             async with asyncio.timeout_at(deadline):
                 await waiter
-        except BaseException:
+        except BaseException as e:
             if waiter.done() and not waiter.cancelled():
                 self._release_slot()  # handed a slot, but gone before using it: pass it on
             else:
                 waiter.cancel()
                 with contextlib.suppress(ValueError):
                     self._slot_waiters.remove(waiter)
+            if isinstance(e, TimeoutError):  # (the client's own limit, not the server)
+                raise TimeoutError(f"no free connection in time (all {self.max_connections} "
+                                   "in use)") from e
             raise
 
     def _release_slot(self) -> None:
@@ -361,6 +365,11 @@ class Pool:
 
     def _take_idle(self) -> _Connection | None:
         now = time.monotonic()
+        idle = self._idle
+        # (oldest first, on the left: the calls take the most recent, so an expired one
+        # there would otherwise stay open as long as the pool is busy enough)
+        while idle and now - idle[0].idle_since > self.keepalive_s:
+            idle.popleft().close()
         while self._idle:
             conn = self._idle.pop()  # the most recently used: least likely to be stale
             if conn.closed or conn.transport is None or conn.transport.is_closing():
@@ -379,9 +388,12 @@ class Pool:
         if timeout_s <= 0:
             raise TimeoutError("the call ran out of time before connecting")
         limit = self.max_response_bytes
-        _, conn = await asyncio.wait_for(loop.create_connection(
-            lambda: _Connection(limit), self.host, self.port, ssl=self.tls,
-            server_hostname=self.host if self.tls is not None else None), timeout_s)
+        try:
+            _, conn = await asyncio.wait_for(loop.create_connection(
+                lambda: _Connection(limit), self.host, self.port, ssl=self.tls,
+                server_hostname=self.host if self.tls is not None else None), timeout_s)
+        except TimeoutError as e:  # (the call's own time out says "no answer in time")
+            raise TimeoutError(f"no connection within {timeout_s:.3g} s") from e
         return conn
 
     def _encode(self, method: str, target: str, body: bytes | None,

@@ -45,8 +45,8 @@ class WarHttpBackend:
     """One ``war serve`` replica at ``base_url`` (e.g. ``http://10.0.0.7:8000``).
 
     ``timeout_s`` bounds a whole call (read, write, pool wait) and
-    ``connect_timeout_s`` the connection; ``health()`` and ``load()`` (probes) use
-    ``health_timeout_s``.
+    ``connect_timeout_s`` the connection; ``health()`` and ``load()`` (probes), and
+    ``finish_trajectory()``, use ``health_timeout_s``.
     A ``client`` passed in lends its transport, pool and settings (these timeouts
     still apply to each call) and is not closed by ``close()``.
     """
@@ -153,8 +153,11 @@ class WarHttpBackend:
         (``POST /v1/trajectories/finish``); returns whether it held any."""
         if not isinstance(trajectory_id, str) or not trajectory_id:
             raise ValueError(f"trajectory_id must be a non-empty string, got {trajectory_id!r}")
+        # (bounded like a probe: the rollout driver awaits it as each episode ends, a
+        # failed one too, and it only frees a hold that expires anyway)
         body = await self._http.post_json("/v1/trajectories/finish",
-                                          {"trajectory_id": trajectory_id}, self.name)
+                                          {"trajectory_id": trajectory_id}, self.name,
+                                          timeout_s=self._http.health_timeout_s)
         held = body.get("held", False) if isinstance(body, dict) else None
         if not isinstance(held, bool):
             raise ReplicaUnavailable(
@@ -373,15 +376,19 @@ class HttpChannel:
         except TRANSPORT_ERRORS as e:
             transport_failure(name, path, e)
 
-    async def post_json(self, path: str, body: Mapping[str, Any], name: str) -> Any:
+    async def post_json(self, path: str, body: Mapping[str, Any], name: str,
+                        timeout_s: float | None = None) -> Any:
+        """A POST whose 2xx JSON answer is returned (``timeout_s``: the call's bound,
+        None: ``timeout_s`` of the channel)."""
         if self.client is not None or self._closed:
-            answer = await self.send("POST", path, name, json=body)
+            answer = await self.send("POST", path, name, json=body, timeout_s=timeout_s)
         else:  # ``send`` inlined: this is a router's call for every request it routes
+            total = self.timeout_s if timeout_s is None else timeout_s
             try:
                 content = orjson.dumps(body)
                 got = await self._h1().request(
                     "POST", self._prefix + path, body=content, headers=self._h1_json_headers,
-                    timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s)
+                    timeout_s=total, connect_timeout_s=min(self.connect_timeout_s, total))
             except TRANSPORT_ERRORS as e:
                 transport_failure(name, path, e)
             if got.status == 200:  # the common answer: no ``Answer`` built
@@ -453,11 +460,23 @@ def json_list(value: Any, where: str) -> list[Any]:
     return value
 
 
+def _token_id(value: Any, where: str) -> int:
+    """A JSON number that is a whole number as an int (``5.0``: 5); ``ValueError``
+    for anything else (``5.5``, ``true``, ``"7"``: a broken answer, not token 5, 1, 7)."""
+    if type(value) is int:
+        return value
+    if type(value) is float and value.is_integer():
+        return int(value)
+    raise ValueError(f"{where} holds {value!r}, not a token id")
+
+
 def token_ids(value: Any, where: str) -> tuple[int, ...]:
-    """A JSON array of token ids as a tuple of ints (numbers of another type are
-    converted one by one); ``ValueError`` if it is not an array or holds a negative id."""
+    """A JSON array of token ids as a tuple of ints (whole numbers written as floats
+    are converted one by one); ``ValueError`` if it is not an array or holds anything
+    else, or a negative id."""
     items = json_list(value, where)
-    ids = tuple(items) if set(map(type, items)) <= _INT else tuple(map(int, items))
+    ids = tuple(items) if set(map(type, items)) <= _INT else tuple(
+        _token_id(t, where) for t in items)
     if ids and min(ids) < 0:
         raise ValueError(f"{where} holds a negative token id ({min(ids)})")
     return ids

@@ -120,7 +120,8 @@ class RayEngineBackend:
     """A backend calling an ``EngineActor`` handle.
 
     ``timeout_s`` bounds each call (``None``: no bound; a timed-out ``generate``
-    is cancelled on the actor); ``health()`` waits at most ``health_timeout_s``.
+    is cancelled on the actor); ``health()``, ``load()`` (probes) and
+    ``finish_trajectory()`` wait at most ``health_timeout_s``.
     With ``owns_actor`` (as ``start_ray_replica`` sets it), ``close()`` closes the
     engine and kills the actor.
     """
@@ -173,7 +174,8 @@ class RayEngineBackend:
         return result
 
     async def load(self) -> ReplicaLoad:
-        answer = await self._call("load", timeout_s=self.timeout_s or self.health_timeout_s)
+        # (a probe, like ``health()``: a hung actor fails it within the probe's time)
+        answer = await self._call("load", timeout_s=self.health_timeout_s)
         load: ReplicaLoad = _unwrap(self.name, answer)
         return load
 
