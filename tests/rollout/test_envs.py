@@ -421,14 +421,17 @@ def test_files_errors_never_show_the_real_path() -> None:
 def test_sqlite_bounds_the_size_of_a_result() -> None:
     env = SqliteEnv()
     env.reset(sample_tasks("sqlite", 1, seed=0)[0])
-    wide = "SELECT " + ", ".join(["randomblob(999999)"] * 150)  # 9 kB of SQL, 150 MB of row
+    wide = "SELECT " + ", ".join(["randomblob(3999)"] * 150)  # 2.7 kB of SQL, 600 kB of row
     assert env.call_tool("query", {"sql": wide}) == (
         "error: SQL error: too many columns in result set")
-    tall = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 10) "
-            "SELECT x, zeroblob(999999) FROM c")
+    big = env.call_tool("query", {"sql": "SELECT zeroblob(4001)"})  # values are capped at 4 kB
+    assert big == "error: SQL error: string or blob too big"
+    tall = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 12) "
+            "SELECT x, " + ", ".join(["zeroblob(3999)"] * 99) + " FROM c")  # 396 kB a row
     lines = env._handlers()["query"](sql=tall).splitlines()  # (before call_tool truncates)
     assert [line[:4] for line in lines[:4]] == ["x | ", "1 | ", "2 | ", "3 | "]
-    assert len(lines) == 5 and lines[-1].startswith("... (rows left out: the result passes")
+    assert lines[10].startswith("10 | ")
+    assert len(lines) == 12 and lines[-1].startswith("... (rows left out: the result passes")
     small = env.call_tool("query", {"sql": "SELECT id, name FROM customers LIMIT 2"})
     assert small.splitlines()[0] == "id | name" and len(small.splitlines()) == 3
     env.close()

@@ -141,7 +141,11 @@ def convert(value: float, from_unit: str, to_unit: str) -> str:
     (dim_from, f_from), (dim_to, f_to) = units
     if dim_from != dim_to:
         raise ToolError(f"cannot convert {dim_from} ({from_unit}) to {dim_to} ({to_unit})")
-    return f"{round(value * f_from / f_to, 2):.2f}"
+    result = value * f_from / f_to
+    if not math.isfinite(result):  # (a float past its range: "inf" is no answer)
+        raise ToolError(f"cannot convert {value!r} {from_unit} to {to_unit}: the result is "
+                        "too large")
+    return f"{round(result, 2):.2f}"
 
 
 def _calculate(expression: str) -> str:

@@ -8,8 +8,11 @@ customer id read from a previous output; then ``The answer is <last output line>
 
 Safety: the database lives in memory (nothing on disk), opened with ``PRAGMA query_only`` and an
 authorizer that allows reading only (no writes, DDL, PRAGMA or ATTACH); a progress handler
-aborts a query after ``query_time_s``; values are capped at 1 MB, rows at 100 columns and
-output at ``max_rows`` rows of at most 4 MB of values in all.
+aborts a query after ``query_time_s``; values (and the SQL itself) are capped at 4,000 bytes
+and LIKE/GLOB patterns at 200, rows at 100 columns and output at ``max_rows`` rows of at most
+4 MB of values in all. (The handler runs between SQLite's steps, never inside one function
+call: ``trim``, ``instr``, ``replace``, ``LIKE`` and ``GLOB`` cost the product of their
+arguments' lengths, so those caps are what keep one call, and one row of such calls, short.)
 Does not know: SQL beyond what SQLite executes, or any other schema.
 """
 
@@ -52,6 +55,10 @@ _READ_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.S
                            sqlite3.SQLITE_RECURSIVE})
 _MAX_COLUMNS = 100
 _MAX_RESULT_BYTES = 4_000_000  # of the values of the rows shown
+# (a 2-argument trim of 4 kB values takes ~3 ms, a row of them as the SQL allows ~0.5 s; with
+# 100 kB values a 0.2 s query ran 68 s, as the handler cannot interrupt a call)
+_MAX_VALUE_BYTES = 4_000
+_MAX_PATTERN_BYTES = 200
 Customer = tuple[int, str, str]
 Order = tuple[int, int, str, int, int]
 
@@ -155,7 +162,9 @@ class SqliteEnv(ToolEnv):
         conn.executemany("INSERT INTO orders VALUES (?, ?, ?, ?, ?)", orders)
         conn.commit()
         conn.execute("PRAGMA query_only = ON")
-        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 1_000_000)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, _MAX_VALUE_BYTES)  # (bounds a row's calls)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, _MAX_PATTERN_BYTES)
         conn.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, _MAX_COLUMNS)  # (bounds one row's size)
         conn.set_authorizer(_authorize)
         self._conn = conn
@@ -176,7 +185,7 @@ class SqliteEnv(ToolEnv):
             if cursor.description is None:
                 return "(no result)"
             lines = [" | ".join(str(d[0]) for d in cursor.description)]
-            # Row by row under a size budget: rows of many 1 MB values would otherwise be
+            # Row by row under a size budget: rows of many 4 kB values would otherwise be
             # held (and turned into text) all at once, past any deadline (after SQLite).
             rows: list[tuple[Any, ...]] = []
             size, too_big = 0, False
