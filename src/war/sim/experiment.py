@@ -23,7 +23,13 @@ from typing import Any, NamedTuple, TypeVar
 
 import yaml
 
-from war.router.policies import POLICIES, make_policy
+from war.router.policies import (
+    POLICIES,
+    CacheAwareConfig,
+    LeastLoadConfig,
+    WarPolicyConfig,
+    make_policy,
+)
 from war.sim.acceptance import AcceptanceTable, record_acceptance
 from war.sim.costs import CostModel, LinearCost, RooflineCost
 from war.sim.drafter import CachedDrafter, Drafter
@@ -37,6 +43,11 @@ from war.spec.traces import missing_trace_file
 
 Log = Callable[[str], None]
 T = TypeVar("T")
+
+POLICY_CONFIGS: dict[str, type] = {"least_load": LeastLoadConfig,
+                                    "cache_aware": CacheAwareConfig, "war": WarPolicyConfig}
+"""The settings dataclass of each routing policy that takes settings (their types are
+checked as a section's are: the policies themselves take a string for a bool)."""
 
 TRACE_WORKLOAD_KEYS = ("kind", "rl_steps", "group_size", "copies", "seed", "latency")
 """Settings of a ``kind: traces`` workload section."""
@@ -92,9 +103,11 @@ class Experiment:
             raise FileNotFoundError(f"experiment file not found: {p}" if not p.exists()
                                     else f"experiment file {p} is not a file")
         try:
-            raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+            raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ValueError(f"{p}: not a valid YAML file: {e}") from None
+        except ValueError as e:  # (a duplicate key)
+            raise ValueError(f"{p}: {e}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{p}: an experiment file is a mapping")
         try:
@@ -130,6 +143,21 @@ class Experiment:
         raw["traces"] = tuple(traces)
         raw.setdefault("name", p.stem)
         return cls(**raw)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps
+    the last silently: a configuration or a section would be dropped unseen)."""
+
+    def construct_mapping(self, node: yaml.MappingNode,
+                          deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise ValueError(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def build_cost(spec: Mapping[str, Any], base_dir: Path) -> CostModel:
@@ -217,6 +245,10 @@ def check_experiment(exp: Experiment) -> None:
         try:
             sim = sim_config(exp, config)  # (refuses an unknown policy name)
             kv_blocks(sim.replica, cost)
+            hints = typing.get_type_hints(POLICY_CONFIGS.get(sim.policy, object))
+            for key, value in sim.policy_settings.items():
+                if key in hints:
+                    _check_value(f"policy_settings.{key}", value, hints[key])
             try:
                 make_policy(sim.policy, **sim.policy_settings)
             except TypeError as e:
