@@ -93,6 +93,9 @@ class Experiment:
             raise ValueError(f"unknown workload kind {self.workload.get('kind')!r}")
         if self.plot_load is not None:
             check_loads([self.plot_load], "plot_load")
+            if self.loads and float(self.plot_load) not in map(float, self.loads):
+                raise ValueError(f"plot_load {self.plot_load:g} is not one of the loads "
+                                 f"{list(self.loads)} (its plots would not be drawn)")
         if not all(isinstance(t, str) for t in self.traces):
             raise ValueError(f"traces must be a list of file names, got {list(self.traces)!r}")
 
@@ -497,6 +500,10 @@ def run_experiment(exp: Experiment, trace_paths: Sequence[Path] | None = None,
         run_loads.append(ld)
     check_workloads(exp, run_loads, _STATE.get("traces"))
     plot = exp.plot_load if exp.plot_load is not None else max(loads or exp.loads)
+    if plot not in (loads or exp.loads):  # (--loads leaves out the file's plot_load)
+        emit(f"plot_load {plot:g} is not among the loads run: plotting load "
+             f"{max(loads or exp.loads):g}")
+        plot = max(loads or exp.loads)
     _STATE["plot_load"] = same_as.get(plot, plot)
     jobs = [(n, ld) for ld in run_loads for n in names]
     rows: list[dict[str, Any]] = []

@@ -6,6 +6,7 @@ backend, files only). Does not know how the rows were produced.
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+from war.outputs import write_bytes_atomic
 
 
 def throughput_vs_load(rows: Sequence[dict[str, Any]], path: Path) -> None:
@@ -29,8 +32,7 @@ def throughput_vs_load(rows: Sequence[dict[str, Any]], path: Path) -> None:
     if ax.get_legend_handles_labels()[0]:  # (none on empty data: matplotlib warns)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def makespan_cdf(rows: Sequence[dict[str, Any]], path: Path) -> None:
@@ -47,8 +49,7 @@ def makespan_cdf(rows: Sequence[dict[str, Any]], path: Path) -> None:
     if ax.get_legend_handles_labels()[0]:  # (none on empty data: matplotlib warns)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def fleet_timeline(row: dict[str, Any], path: Path) -> None:
@@ -67,8 +68,17 @@ def fleet_timeline(row: dict[str, Any], path: Path) -> None:
     ax2.set_ylabel("draft tokens per sequence and step", color="tab:red")
     ax.set_title(f"{row['config']}, load {row['load']:.0f}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> None:
+    """Writes the figure whole (an interrupted run leaves no truncated PNG) and closes it."""
+    try:
+        image = io.BytesIO()
+        fig.savefig(image, format="png", dpi=120)
+    finally:
+        plt.close(fig)
+    write_bytes_atomic(path, image.getvalue())
 
 
 def _file_part(name: str) -> str:
@@ -85,9 +95,17 @@ def write_plots(rows: Sequence[dict[str, Any]], folder: Path) -> list[Path]:
     if detailed:
         out.append(folder / "makespan_cdf.png")
         makespan_cdf(detailed, out[-1])
+    taken: set[str] = set()
     for r in detailed:
         if r.get("timeline"):
-            p = folder / f"timeline_{_file_part(str(r['config']))}.png"
+            # (two names may map to one file part, "war a" and "war/a": number the later)
+            part = base = _file_part(str(r["config"]))
+            n = 1
+            while part in taken:
+                n += 1
+                part = f"{base}-{n}"
+            taken.add(part)
+            p = folder / f"timeline_{part}.png"
             fleet_timeline(r, p)
             out.append(p)
     return out
