@@ -289,11 +289,18 @@ class _Completions:
             piece = str(self.tokenizer.id_to_token(token_id) or "")
         return piece
 
-    def respond(self, rid: str, results: Sequence[GenResult], want_logprobs: bool
-                ) -> dict[str, Any]:
+    def respond(self, rid: str, results: Sequence[GenResult], want_logprobs: bool,
+                stops: Sequence[str] = ()) -> dict[str, Any]:
+        """The completion's answer; a choice that a stop string ended has its ``text``
+        cut before that string, as OpenAI's is (its ``token_ids`` and ``logprobs`` keep
+        the tokens the model generated: those are what a trajectory trains on)."""
         choices = []
         for i, r in enumerate(results):
             text = "" if self.tokenizer is None else str(self.tokenizer.decode(list(r.output_ids)))
+            if stops and r.finish_reason == "stop":
+                found = [at for at in map(text.find, stops) if at >= 0]
+                if found:  # (a stop token ended it otherwise)
+                    text = text[:min(found)]
             logprobs = None
             if want_logprobs:
                 logprobs = {
@@ -420,7 +427,8 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
                 raise APIError(500, str(e), "server_error", "engine_error") from None
             want = body.logprobs is not None and body.logprobs is not False
             # (rendered first: a response that fails to render is counted as the 500 it is)
-            response = JSONResponse(completions.respond(rid, results, want))
+            stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+            response = JSONResponse(completions.respond(rid, results, want, stops))
             status = 200
             return response
         except APIError as e:
