@@ -989,8 +989,10 @@ def test_connection_refused_raises_oserror_quickly(arun: Run) -> None:
     arun(go())
 
 
-def test_connect_timeout(arun: Run) -> None:
-    # A listener that never accepts, with its backlog full: the SYN goes unanswered.
+@contextlib.contextmanager
+def unanswered_port() -> Iterator[int]:
+    """A loopback port whose listener never accepts, with its backlog full: a SYN to it
+    goes unanswered (where the system allows that; the caller skips otherwise)."""
     listener = socket.socket()
     listener.bind((LOCAL, 0))
     listener.listen(0)
@@ -1004,7 +1006,15 @@ def test_connect_timeout(arun: Run) -> None:
                 s.connect((LOCAL, port))
             fillers.append(s)
         time.sleep(0.02)
+        yield port
+    finally:
+        for s in fillers:
+            s.close()
+        listener.close()
 
+
+def test_connect_timeout(arun: Run) -> None:
+    with unanswered_port() as port:
         async def go() -> None:
             pool = Pool(LOCAL, port)
             t0 = time.monotonic()
@@ -1016,10 +1026,6 @@ def test_connect_timeout(arun: Run) -> None:
             pytest.skip("this system accepted a connection past a full backlog")
 
         arun(go())
-    finally:
-        for s in fillers:
-            s.close()
-        listener.close()
 
 
 # ---------------------------------------------------------------- broken answers

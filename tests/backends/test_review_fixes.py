@@ -8,8 +8,6 @@ replica bounded by a generation's timeout instead of a probe's (a WAR replica's
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import threading
 import time
 from typing import Any
@@ -28,6 +26,7 @@ from test_h1 import (
     hang,
     keepalive,
     per_connection,
+    unanswered_port,
 )
 
 from war.backends.base import ReplicaUnavailable
@@ -70,21 +69,7 @@ def test_idle_connections_past_keepalive_s_are_closed_while_the_pool_is_in_use(
 
 
 def test_a_call_that_cannot_connect_in_time_says_so(arun: Run) -> None:
-    # A listener that never accepts, with its backlog full: the SYN goes unanswered.
-    listener = socket.socket()
-    listener.bind((LOCAL, 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    try:
-        for _ in range(4):
-            s = socket.socket()
-            s.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                s.connect((LOCAL, port))
-            fillers.append(s)
-        time.sleep(0.02)
-
+    with unanswered_port() as port:
         async def go() -> None:
             channel = HttpChannel(f"http://{LOCAL}:{port}", None, 5.0, T_SHORT, T_SHORT, 4,
                                   None)
@@ -100,10 +85,6 @@ def test_a_call_that_cannot_connect_in_time_says_so(arun: Run) -> None:
             pytest.skip("this system accepted a connection past a full backlog")
 
         arun(go())
-    finally:
-        for s in fillers:
-            s.close()
-        listener.close()
 
 
 def test_a_call_that_waits_for_a_free_connection_past_its_time_says_so(arun: Run) -> None:
