@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from test_policy import TINY as POLICY_TINY
 
 from war.engine.loader import load_model
 from war.train import TokenizerConfig, train_tokenizer
 from war.train.policy import (
-    PolicyTrainConfig,
     check_policy_out,
     train_policy,
     train_policy_tokenizer,
 )
 
-TINY = PolicyTrainConfig(
-    seed=3, tasks_per_env=6, vocab_size=1500, min_frequency=2, hidden_size=32, num_layers=1,
-    num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=512, steps=2,
-    seq_len=256, batch_size=2, warmup_steps=1, threads=1, log_every=1,
-)
+TINY = dataclasses.replace(POLICY_TINY, steps=2)
 
 
 def test_a_policy_folder_with_the_longest_name_is_written_and_replaced(tmp_path: Path) -> None:
