@@ -9,16 +9,18 @@ reports hold.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
-    "check_output_dir", "check_output_file", "output_file_arg", "write_bytes_atomic",
-    "write_json", "write_text_atomic",
+    "check_output_dir", "check_output_file", "output_file_arg", "removing_created_folders",
+    "write_bytes_atomic", "write_json", "write_text_atomic",
 ]
 
 
@@ -151,3 +153,28 @@ def output_file_arg(value: str) -> Path:
         return check_output_file(value, "output file")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+@contextlib.contextmanager
+def removing_created_folders(paths: Iterable[str | os.PathLike[str]]) -> Iterator[None]:
+    """Runs the body; when it raises, removes again the folders among ``paths`` and
+    above them that did not exist before it and are still empty, deepest first: a
+    refused or failed command leaves no empty folders behind. A folder that existed
+    before is never removed, nor one that holds anything."""
+    missing: set[Path] = set()
+    for path in map(Path, paths):
+        for folder in (path, *path.parents):
+            try:
+                if os.path.lexists(folder):
+                    break
+            except (OSError, ValueError):
+                break
+            if folder.name not in ("", ".", ".."):  # (those name an existing folder)
+                missing.add(folder)
+    try:
+        yield
+    except BaseException:
+        for folder in sorted(missing, key=lambda f: len(f.parts), reverse=True):
+            with contextlib.suppress(OSError):  # (rmdir removes only an empty folder)
+                folder.rmdir()
+        raise

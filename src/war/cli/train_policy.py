@@ -9,7 +9,6 @@ progress, the loss curve and the per-environment success rates. The work itself 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -19,7 +18,12 @@ from rich.table import Table
 
 from war.cli.console import make_console
 from war.cli.paths import check_not_input, same_file
-from war.outputs import check_output_dir, check_output_file, write_json
+from war.outputs import (
+    check_output_dir,
+    check_output_file,
+    removing_created_folders,
+    write_json,
+)
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 SEED_LIMIT = 2**63  # seeds of the training config and of the evaluation's engine (check_seed)
@@ -59,29 +63,8 @@ def add_train_policy_command(commands: Subparsers) -> None:
 def run_train_policy(args: argparse.Namespace) -> int:
     # a refused or failed run removes again the folders its checks made (--out and the
     # report's folder, with those above them) while they are still empty
-    created = _missing_folders([args.out, *([args.json.parent] if args.json else [])])
-    try:
+    with removing_created_folders([args.out, *([args.json.parent] if args.json else [])]):
         return _train_and_report(args)
-    except BaseException:
-        for folder in created:  # (deepest first; rmdir removes only an empty folder)
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        raise
-
-
-def _missing_folders(paths: list[Path]) -> list[Path]:
-    """The folders among ``paths`` and above them that do not exist, deepest first."""
-    missing: set[Path] = set()
-    for path in paths:
-        for folder in (path, *path.parents):
-            try:
-                if os.path.lexists(folder):
-                    break
-            except (OSError, ValueError):
-                break
-            if folder.name not in ("", ".", ".."):  # (those name an existing folder)
-                missing.add(folder)
-    return sorted(missing, key=lambda f: len(f.parts), reverse=True)
 
 
 def _train_and_report(args: argparse.Namespace) -> int:

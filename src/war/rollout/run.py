@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import random
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -40,7 +39,12 @@ from war.engine.async_engine import AsyncEngine
 from war.engine.config import EngineConfig
 from war.engine.engine import Engine
 from war.engine.stats import StepRecord
-from war.outputs import check_output_dir, check_output_file, write_json
+from war.outputs import (
+    check_output_dir,
+    check_output_file,
+    removing_created_folders,
+    write_json,
+)
 from war.rollout.agent import AgentConfig, PolicyIO
 from war.rollout.driver import RolloutConfig, run_step_async, trajectory_id
 from war.rollout.envs import Task, names, sample_tasks
@@ -552,24 +556,8 @@ def removing_created_folder(cfg: RunConfig) -> Iterator[None]:
     that does not load) leaves no empty run folder behind. A folder that existed
     before (the user's, or a resumed run's) is never removed, nor one that holds
     anything."""
-    created: list[Path] = []
-    folder = run_folder(cfg)
-    for d in (folder, *folder.parents):
-        try:
-            if os.path.lexists(d):
-                break
-        except (OSError, ValueError):
-            break
-        created.append(d)
-    try:
+    with removing_created_folders([run_folder(cfg)]):
         yield
-    except BaseException:
-        for d in created:  # (deepest first; rmdir removes only an empty folder)
-            try:
-                d.rmdir()
-            except OSError:
-                break
-        raise
 
 
 def check_run_paths(cfg: RunConfig, extra: Sequence[str] = ()) -> Path:
