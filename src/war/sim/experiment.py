@@ -248,10 +248,9 @@ def check_experiment(exp: Experiment) -> None:
         try:
             sim = sim_config(exp, config)  # (refuses an unknown policy name)
             kv_blocks(sim.replica, cost)
-            hints = typing.get_type_hints(POLICY_CONFIGS.get(sim.policy, object))
-            for key, value in sim.policy_settings.items():
-                if key in hints:
-                    _check_value(f"policy_settings.{key}", value, hints[key])
+            settings_class = POLICY_CONFIGS.get(sim.policy)
+            if settings_class is not None:  # (checked as a section is)
+                build_section(settings_class, "policy_settings", sim.policy_settings)
             try:
                 make_policy(sim.policy, **sim.policy_settings)
             except TypeError as e:
@@ -484,12 +483,13 @@ def run_experiment(exp: Experiment, trace_paths: Sequence[Path] | None = None,
         emit(f"traces: {len(_STATE['traces'].trajectories)} trajectories "
              f"({time.perf_counter() - t0:.1f} s)")
     names = list(configs) if configs else list(exp.configs)
+    asked = loads or exp.loads
     # Loads that give the same workload (the traces hold no more) run once, as the
     # smallest of them.
     same_as: dict[float, float] = {}
     first: dict[Any, float] = {}
     run_loads = []
-    for ld in sorted(loads or exp.loads):
+    for ld in sorted(asked):
         key = workload_key(exp, ld, _STATE.get("traces"))
         if key in first:
             same_as[ld] = first[key]
@@ -499,11 +499,12 @@ def run_experiment(exp: Experiment, trace_paths: Sequence[Path] | None = None,
         first[key] = ld
         run_loads.append(ld)
     check_workloads(exp, run_loads, _STATE.get("traces"))
-    plot = exp.plot_load if exp.plot_load is not None else max(loads or exp.loads)
-    if plot not in (loads or exp.loads):  # (--loads leaves out the file's plot_load)
-        emit(f"plot_load {plot:g} is not among the loads run: plotting load "
-             f"{max(loads or exp.loads):g}")
-        plot = max(loads or exp.loads)
+    plot = max(asked)
+    if exp.plot_load is not None and exp.plot_load in asked:
+        plot = exp.plot_load
+    elif exp.plot_load is not None:  # (--loads leaves out the file's plot_load)
+        emit(f"plot_load {exp.plot_load:g} is not among the loads run: plotting load "
+             f"{plot:g}")
     _STATE["plot_load"] = same_as.get(plot, plot)
     jobs = [(n, ld) for ld in run_loads for n in names]
     rows: list[dict[str, Any]] = []
