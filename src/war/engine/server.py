@@ -427,7 +427,7 @@ def create_app(async_engine: AsyncEngine, model_name: str = "war",
                 raise APIError(500, str(e), "server_error", "engine_error") from None
             want = body.logprobs is not None and body.logprobs is not False
             # (rendered first: a response that fails to render is counted as the 500 it is)
-            stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+            stops = reqs[0].sampling.stop if reqs else ()  # (build's, one for the body)
             response = JSONResponse(completions.respond(rid, results, want, stops))
             status = 200
             return response
