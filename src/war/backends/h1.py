@@ -364,19 +364,16 @@ class Pool:
             self._arm_watch(after)
 
     def _take_idle(self) -> _Connection | None:
-        now = time.monotonic()
-        idle = self._idle
-        # (oldest first, on the left: the calls take the most recent, so an expired one
-        # there would otherwise stay open as long as the pool is busy enough)
+        idle, now = self._idle, time.monotonic()
+        # Connections enter on the right as they are released, so the deque is in
+        # order of idle time: the expired ones are on the left (closed here, also while
+        # calls keep taking the most recent), and none is left among the others.
         while idle and now - idle[0].idle_since > self.keepalive_s:
             idle.popleft().close()
-        while self._idle:
-            conn = self._idle.pop()  # the most recently used: least likely to be stale
+        while idle:
+            conn = idle.pop()  # the most recently used: least likely to be stale
             if conn.closed or conn.transport is None or conn.transport.is_closing():
                 conn.closed = True
-                continue
-            if now - conn.idle_since > self.keepalive_s:
-                conn.close()
                 continue
             return conn
         return None
